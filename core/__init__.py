@@ -1,0 +1,20 @@
+"""pagebatch: continuous batching over a paged KV cache, every swappable part a plugin.
+
+Public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
+``EngineConfig``, ``LLMEngine``, ``hookimpl`` (for plugin authors) and the errors in
+``pagebatch.errors``.
+"""
+
+from .config import ConfigOption, EngineConfig
+from .engine import LLMEngine
+from .errors import PagebatchError
+from .hookspecs import hookimpl
+from .llm import LLM
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
+    "EngineConfig", "ConfigOption", "PagebatchError", "hookimpl", "__version__",
+]

@@ -1,0 +1,62 @@
+"""The transformers side of ``pagebatch bench --compare hf``, run as its own process so each
+engine has the device to itself. Reads a JSON job on stdin, prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = json.loads(sys.stdin.read())
+    dev = job["device"]
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = job["dtype"]
+    if dtype == "auto":
+        dtype = "bfloat16" if dev == "cuda" else "float32"
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=getattr(torch, dtype))
+    model.to(dev).eval()
+    out_len = job["output_len"]
+
+    def gen(batch: list[list[int]]) -> tuple[float, float]:
+        ids = torch.tensor(batch, device=dev)
+        kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return t1 - t0, time.perf_counter() - t1
+
+    prompts = job["prompts"]
+    with torch.inference_mode():
+        gen(prompts[:1])  # warm-up
+        if job["kind"] == "throughput":
+            bs = job["batch_size"]
+            best = None
+            for _ in range(job["num_iters"]):
+                t = sum(gen(prompts[i:i + bs])[1] for i in range(0, len(prompts), bs))
+                best = t if best is None else min(best, t)
+            n = len(prompts) * out_len
+            res = {"engine": "hf-generate", "elapsed_s": best, "output_tokens": n,
+                   "output_tok_s": n / best}
+        else:
+            runs = [gen([p]) for p in prompts for _ in range(job["num_iters"])]
+            ttft = sorted(r[0] for r in runs)[len(runs) // 2]
+            decode = sorted((out_len - 1) / (r[1] - r[0]) for r in runs)[len(runs) // 2]
+            res = {"engine": "hf-generate", "ttft_s": ttft, "decode_tok_s": decode}
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""`EngineConfig`: every engine key, its default, and how the sources merge.
+
+Sources, highest first: command line > YAML file (``--config FILE``) > defaults. Keys are
+snake_case; the file accepts dashes too and the CLI spells them with dashes. Plugins declare their
+own keys through the ``register_config_options`` hook; once plugins are loaded, a key nobody
+declared is an error with a did-you-mean. Defaults follow vLLM's where vLLM has one.
+
+docs/configuration.md documents every key (a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ConfigOption:
+    """One config key. Plugins declare theirs with this through ``register_config_options``.
+
+    ``parse`` turns a CLI string or YAML value into the typed value and raises ``ValueError``
+    with a message when the value is not allowed.
+    """
+
+    name: str
+    default: Any
+    help: str
+    parse: Callable[[Any], Any] = str
+    choices: Sequence[Any] | None = None
+    is_flag: bool = False
+
+
+# ---- value parsers (each raises ValueError with a short reason) --------------------------------
+
+def parse_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(minimum: int | None = None) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError("expected an integer")
+        n = int(v)
+        if minimum is not None and n < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return n
+
+    return parse
+
+
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def wrapped(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "null")):
+            return None
+        return parse(v)
+
+    return wrapped
+
+
+def _fraction(v: Any) -> float:
+    x = float(v)
+    if not 0.0 < x <= 1.0:
+        raise ValueError("must be in (0, 1]")
+    return x
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
+               "tb": 10**12}
+
+
+def parse_size(v: Any) -> int:
+    """Bytes from ``4GiB``, ``512MiB``, ``2.5GB`` or a plain integer. Raises ValueError."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        n = int(v)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(v))
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError("expected a size such as 4GiB, 512MiB or a number of bytes")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError("must be a positive size")
+    return n
+
+
+def _choice(choices: Sequence[str]) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        s = str(v)
+        if s not in choices:
+            raise ValueError(f"allowed: {list(choices)}")
+        return s
+
+    return parse
+
+
+def _opt(name: str, default: Any, help: str, parse: Callable = str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "parse": parse, **kw})
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. See docs/configuration.md for each key's meaning."""
+
+    # model
+    model: str = _opt("model", "smollm2-135m",
+                      "Model name (smollm2-135m), Hugging Face folder, or .gguf file.")
+    tokenizer: str | None = _opt("tokenizer", None,
+                                 "Tokenizer folder; default: the model's.", _optional(str))
+    device: str = _opt("device", "auto", "cpu, cuda, or auto (cuda when available).",
+                       _choice(DEVICES), choices=DEVICES)
+    dtype: str = _opt("dtype", "auto",
+                      "Weights and activations dtype; auto = bfloat16 on cuda, float32 on cpu.",
+                      _choice(DTYPES), choices=DTYPES)
+    max_model_len: int | None = _opt("max_model_len", None,
+                                     "Longest sequence (prompt + output) in tokens; default: "
+                                     "the model's max_position_embeddings.", _optional(_int(1)))
+    load_format: str = _opt("load_format", "auto", "auto, safetensors, gguf or dummy (random).",
+                            _choice(LOAD_FORMATS), choices=LOAD_FORMATS)
+    seed: int = _opt("seed", 0, "Seed of the engine's random stream (dummy weights, sampling).",
+                     _int())
+    generation_config: str = _opt("generation_config", "auto",
+                                  "auto: a model's generation_config.json sets sampling "
+                                  "defaults; vllm: ignore it.", _choice(("auto", "vllm")),
+                                  choices=("auto", "vllm"))
+    # cache
+    block_size: int = _opt("block_size", 16, "Tokens per KV cache block.", _int(1))
+    gpu_memory_utilization: float = _opt("gpu_memory_utilization", 0.9,
+                                         "Fraction of GPU memory for weights, activations and "
+                                         "KV cache (cuda).", _fraction)
+    kv_cache_memory: int | None = _opt("kv_cache_memory", None,
+                                       "KV cache size in bytes (4GiB, 512MiB); default 4GiB on "
+                                       "cpu. Overrides gpu_memory_utilization.",
+                                       _optional(parse_size))
+    num_kv_blocks: int | None = _opt("num_kv_blocks", None,
+                                     "Force the number of KV cache blocks (overrides sizes).",
+                                     _optional(_int(1)))
+    kv_cache_dtype: str = _opt("kv_cache_dtype", "auto", "KV cache dtype; auto = model dtype.",
+                               _choice(("auto",)), choices=("auto",))
+    # scheduler
+    scheduling_policy: str = _opt("scheduling_policy", "fcfs",
+                                  "Scheduling policy plugin name (fcfs, ...).")
+    max_num_seqs: int = _opt("max_num_seqs", 256, "Most requests in one step's batch.", _int(1))
+    max_num_batched_tokens: int | None = _opt(
+        "max_num_batched_tokens", None,
+        "Token budget of one step; default max(max_model_len, 2048).", _optional(_int(1)))
+    # model execution
+    quantization: str | None = _opt("quantization", None,
+                                    "Quant method plugin; default: the checkpoint's, else fp16.",
+                                    _optional(str))
+    attention_backend: str | None = _opt("attention_backend", None,
+                                         "Attention backend plugin; default torch_ref.",
+                                         _optional(str))
+    # options declared by plugins: name -> value
+    plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def core_options(cls) -> list[ConfigOption]:
+        out = []
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            out.append(ConfigOption(f.name, f.default, f.metadata["help"],
+                                    f.metadata.get("parse", str), f.metadata.get("choices")))
+        return out
+
+    @classmethod
+    def from_sources(
+        cls,
+        cli: dict[str, Any] | None = None,
+        file: str | Path | None = None,
+        plugin_options: dict[str, ConfigOption] | None = None,
+    ) -> "EngineConfig":
+        """Merge defaults < YAML file < CLI values; parse and validate every value.
+
+        Raises ConfigError naming the key, the value and what is allowed; an unknown key gets a
+        did-you-mean over the core keys and the keys plugins declared.
+        """
+        if plugin_options is None:
+            from .registry import registry
+
+            plugin_options = registry().config_options()
+        values: dict[str, Any] = {}
+        if file is not None:
+            values.update(load_yaml(file))
+        for k, v in (cli or {}).items():
+            values[normalize_key(k)] = v
+        return cls.from_dict(values, plugin_options)
+
+    @classmethod
+    def from_dict(
+        cls, values: dict[str, Any], plugin_options: dict[str, ConfigOption] | None = None
+    ) -> "EngineConfig":
+        plugin_options = plugin_options or {}
+        core = {o.name: o for o in cls.core_options()}
+        known = {**core, **plugin_options}
+        kwargs: dict[str, Any] = {}
+        plugin_vals = {n: o.default for n, o in plugin_options.items()}
+        for raw_key, value in values.items():
+            key = normalize_key(raw_key)
+            opt = known.get(key)
+            if opt is None:
+                close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown config key {raw_key!r}{hint} "
+                                  f"(known keys: see docs/configuration.md or `pagebatch "
+                                  f"generate --help`)")
+            try:
+                parsed = opt.parse(value)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"config key {key!r}: bad value {value!r}: {e}") from None
+            if key in core:
+                kwargs[key] = parsed
+            else:
+                plugin_vals[key] = parsed
+        cfg = cls(**kwargs, plugin_options=plugin_vals)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Cross-key checks; raises ConfigError."""
+        if self.max_num_batched_tokens is not None and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ConfigError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                    f"max_model_len={self.max_model_len}: without chunked prefill a prompt of "
+                    f"max_model_len tokens could never be scheduled; raise "
+                    f"max_num_batched_tokens or lower max_model_len")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.metadata.get("internal")}
+        d.update(self.plugin_options)
+        return d
+
+
+def normalize_key(key: str) -> str:
+    return str(key).strip().replace("-", "_")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file: a YAML mapping of keys to values. Raises ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value, "
+                          f"not {type(data).__name__}")
+    return {normalize_key(k): v for k, v in data.items()}
+
+
+def add_cli_options(parser: argparse.ArgumentParser, options: Sequence[ConfigOption]) -> None:
+    """Add ``--kebab-name`` for each option; unset ones stay absent (so the file can set them)."""
+    group = parser.add_argument_group("engine options (also settable in --config FILE)")
+    for opt in options:
+        flag = "--" + opt.name.replace("_", "-")
+        if opt.is_flag or isinstance(opt.default, bool):
+            group.add_argument(flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=opt.help)
+        else:
+            group.add_argument(flag, dest=opt.name, default=argparse.SUPPRESS,
+                               metavar=opt.name.upper(),
+                               help=f"{opt.help} (default: {opt.default})")
+
+
+def cli_values(args: argparse.Namespace, options: Sequence[ConfigOption]) -> dict[str, Any]:
+    names = {o.name for o in options}
+    return {k: v for k, v in vars(args).items() if k in names}

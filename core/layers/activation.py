@@ -1,0 +1,14 @@
+"""SiLU-and-mul: the gated activation of Llama's MLP (SwiGLU, Shazeer 2020)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, 2 * d] (gate then up) -> [num_tokens, d]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,25 @@
+"""RMSNorm (Zhang & Sennrich, 2019), with the residual add fused in the same call."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [num_tokens, hidden]. With ``residual``, returns (norm(x + residual), x + residual);
+        without, returns norm(x). Computed in fp32, returned in x's dtype."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(x.dtype)  # the order of Hugging Face's LlamaRMSNorm
+        return out if residual is None else (out, residual)

@@ -1,0 +1,90 @@
+"""`LLM`: offline batched generation in vLLM's shape.
+
+    from pagebatch import LLM, SamplingParams
+    llm = LLM()                                   # smollm2-135m, on cpu or cuda
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from .config import EngineConfig
+from .engine import LLMEngine, PromptType
+from .errors import InvalidRequestError
+from .request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """``LLM(model=..., config_file=..., **engine_keys)``; keywords override the file."""
+
+    def __init__(self, model: str | None = None, *, config_file: str | Path | None = None,
+                 **kwargs: Any):
+        cli = dict(kwargs)
+        if model is not None:
+            cli["model"] = model
+        self.config = EngineConfig.from_sources(cli=cli, file=config_file)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. Every prompt is validated before
+        any is queued: a bad one raises its InvalidRequestError and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"got {len(params)} sampling_params for "
+                                          f"{len(prompts)} prompts; give one or one each")
+        prepared = [self.engine.prepare(p, sp) for p, sp in zip(prompts, params)]
+        for core_req, state in prepared:
+            self.engine.submit(core_req, state)
+        order = {core_req.request_id: i for i, (core_req, _) in enumerate(prepared)}
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'}) or a list of them, through the
+        model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.chat_prompt(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = None
+        if use_tqdm and len(order) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(order), desc="Processed prompts", unit="req")
+        try:
+            while self.engine.has_unfinished_requests:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

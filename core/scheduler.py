@@ -1,0 +1,263 @@
+"""Continuous batching: the `Scheduler` mechanics and the `SchedulingPolicy` interface.
+
+Every step the scheduler hands out a token budget (``max_num_batched_tokens``): first to running
+requests (a decode is one token), then to waiting ones in the order the policy plugin chooses
+(a prompt is all of its uncomputed tokens). Requests join and leave the batch every step; there
+is no prefill or decode phase, only ``num_computed_tokens`` catching up with ``num_tokens``.
+
+When a running request needs a block and none is free, the policy picks a victim, whose blocks
+are freed; it goes back to waiting and later recomputes its KV (preemption by recompute).
+
+``num_computed_tokens`` advances when a step is *scheduled*, so the next step can be scheduled
+before the sampled tokens of this one are back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from .kv_cache import KVCacheManager
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may look at when it orders the waiting queue."""
+
+    now: float  # seconds, from the scheduler's clock
+    kv_cache: KVCacheManager
+
+
+class SchedulingPolicy(ABC):
+    """Decides admission order and the preemption victim. Plugins implement this.
+
+    Registered with ``register_scheduling_policies``; constructed as ``cls(config)`` where
+    ``config`` is the EngineConfig (plugin options in ``config.plugin_options``).
+    """
+
+    def __init__(self, config: object | None = None) -> None:
+        self.config = config
+
+    @abstractmethod
+    def order_waiting(self, waiting: Sequence[Request], ctx: PolicyContext) -> Iterable[Request]:
+        """The waiting requests in the order they should be admitted.
+
+        ``waiting`` is in arrival order (a preempted request keeps its original arrival). The
+        scheduler admits from the front until one does not fit, then stops for this step.
+        """
+
+    @abstractmethod
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The running request to preempt when blocks run out.
+
+        ``candidates`` are in admission order and always non-empty.
+        """
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens before this step)
+    block_ids: list[int]  # the whole block table after allocation
+    sample: bool  # this step computes the request's last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    finished_request_ids: set[str] = field(default_factory=set)  # since the previous step
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """The mechanics of continuous batching; ordering decisions belong to ``policy``."""
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        policy: SchedulingPolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by arrival_seq
+        self.running: list[Request] = []  # admission order
+        self._finished_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ---- queue changes ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        keys = [r.arrival_seq for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.arrival_seq), request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the named requests with reason ``abort``; their blocks are freed now."""
+        out = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ABORT)
+                out.append(req)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv_cache.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._enqueue_waiting(req)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens, allocating their blocks."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        scheduled_ids: set[str] = set()
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, scheduled_ids, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        for sr in scheduled:
+            self.requests[sr.request_id].num_computed_tokens += len(sr.token_ids)
+        out = SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled),
+                              self._finished_ids, preempted)
+        self._finished_ids = set()
+        self.stats.num_steps += 1
+        return out
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
+                          scheduled_ids: set[str], preempted: list[str]) -> int:
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = req.num_tokens - req.num_computed_tokens
+            if n == 0 or n > budget:
+                continue
+            while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                victim = self.policy.select_victim(candidates)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(self._scheduled(req, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        if not self.waiting:
+            return
+        ctx = PolicyContext(now=self.clock(), kv_cache=self.kv_cache)
+        for req in list(self.policy.order_waiting(list(self.waiting), ctx)):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                break
+            if self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        p = len(prompt)
+        if start >= p:  # decode (or recompute of outputs): no copy of the prompt
+            tokens = output[start - p:start - p + n]
+        elif start + n <= p:
+            tokens = prompt[start:start + n]
+        else:
+            tokens = prompt[start:] + output[:start + n - p]
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start_pos=start,
+            block_ids=self.kv_cache.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+        )
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, list[int]]]:
+        """Append sampled tokens, finish requests that hit a stop condition.
+
+        ``sampled``: request id -> new token id, for the scheduled requests with ``sample``.
+        Returns (request, new token ids) for each request that got a token, finished or not.
+        Tokens for requests aborted since the step was scheduled are dropped.
+        """
+        out = []
+        for rid, tok in sampled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.output_token_ids.append(tok)
+            out.append((req, [tok]))
+            reason = req.check_stop()
+            if reason is not None:
+                self._finish(req, reason)
+        st = self.stats
+        st.num_running, st.num_waiting = len(self.running), len(self.waiting)
+        st.kv_cache_usage = self.kv_cache.usage
+        return out

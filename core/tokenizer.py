@@ -1,0 +1,36 @@
+"""Tokenizers and chat templates come from transformers (never our own code)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidRequestError, ModelNotFoundError
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelNotFoundError(f"cannot load a tokenizer from {str(path)!r}: {e}") from None
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the model's chat template.
+
+    The template text already holds any BOS, so it is tokenized without adding special tokens
+    (one BOS, not two). Raises InvalidRequestError for malformed messages or no template.
+    """
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} "
+                                  f"dicts, got {messages!r:.200}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; use generate "
+                                  "with a plain prompt")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

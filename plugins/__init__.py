@@ -1,0 +1,1 @@
+"""Built-in plugins (attention backends, models, frontends), loaded through entry points."""

@@ -1,0 +1,166 @@
+"""The Llama family: ``LlamaForCausalLM`` (Llama 2/3, SmolLM2).
+
+Weights load by Hugging Face tensor names; q/k/v and gate/up are fused into one linear each.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pagebatch.attention import AttentionMetadata
+from pagebatch.hookspecs import hookimpl
+from pagebatch.layers.activation import SiluAndMul
+from pagebatch.layers.attention import Attention
+from pagebatch.layers.context import ModelContext
+from pagebatch.layers.linear import LinearBase
+from pagebatch.layers.norm import RMSNorm
+from pagebatch.layers.rotary import RotaryEmbedding, rope_params
+from pagebatch.layers.vocab import LMHead, VocabEmbedding
+
+
+def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool) -> LinearBase:
+    return LinearBase(n_in, outs, bias, ctx.quant_method, ctx.dtype, ctx.device)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = _linear(ctx, hidden, [self.q_size, self.kv_size, self.kv_size], bias)
+        self.o_proj = _linear(ctx, self.q_size, [hidden], bias)
+        base, scaling = rope_params(cfg)
+        self.rotary = RotaryEmbedding(self.head_dim, ctx.max_model_len, base, scaling, ctx.device)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5, ctx.attn_backend)
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        inter = cfg.intermediate_size
+        self.gate_up_proj = _linear(ctx, cfg.hidden_size, [inter, inter], bias)
+        self.down_proj = _linear(ctx, inter, [cfg.hidden_size], bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = LlamaAttention(cfg, ctx)
+        self.mlp = LlamaMLP(cfg, ctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Model interface (see docs/plugins.md): ``forward``, ``compute_logits``, ``load_weights``,
+    and the KV geometry ``num_layers``, ``num_kv_heads``, ``head_dim``."""
+
+    # HF name of a checkpoint tensor -> (our module path, shard index of a merged layer)
+    stacked = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, ctx: ModelContext):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
+                              tied_to=self.embed_tokens if self.tie_word_embeddings else None)
+        attn = self.layers[0].self_attn
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] fp32."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors; returns the names loaded.
+
+        Raises ValueError for a tensor the model has no place for, or a shape mismatch.
+        """
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            key = name.removeprefix("model.")
+            parts = key.rsplit(".", 2)  # [..., module, param]
+            if len(parts) == 3 and parts[1] in self.stacked:
+                target, shard = self.stacked[parts[1]]
+                modules[f"{parts[0]}.{target}"].load(parts[2], tensor, shard)
+            elif len(parts) >= 2 and isinstance(modules.get(key.rsplit(".", 1)[0]), LinearBase):
+                mod, pname = key.rsplit(".", 1)
+                modules[mod].load(pname, tensor, None)
+            elif key in params:
+                p = params[key]
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not "
+                                     f"match the model's {tuple(p.shape)}")
+                p.data.copy_(tensor)
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{type(self).__name__}")
+            loaded.add(name)
+        for mod in modules.values():
+            if isinstance(mod, LinearBase):
+                mod.quant_method.process_weights_after_loading(mod)
+        return loaded
+
+
+@hookimpl
+def register_models(register):
+    register("LlamaForCausalLM", LlamaForCausalLM)

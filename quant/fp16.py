@@ -1,0 +1,40 @@
+"""``fp16``: unquantized weights kept in the configured dtype (fp32, bf16 or fp16)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagebatch.hookspecs import hookimpl
+from pagebatch.layers.linear import LinearBase, QuantMethod
+
+
+class UnquantizedMethod(QuantMethod):
+    name = "fp16"
+
+    def create_weights(self, layer: LinearBase, dtype, device):
+        layer.weight = nn.Parameter(
+            torch.empty(layer.output_size, layer.input_size, dtype=dtype, device=device),
+            requires_grad=False)
+        layer.bias = (nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
+                                   requires_grad=False) if layer.has_bias else None)
+
+    def load_weight(self, layer: LinearBase, name, tensor, shard):
+        param = getattr(layer, name, None)
+        if param is None:
+            raise ValueError(f"layer has no {name!r} (bias={layer.has_bias})")
+        start, size = layer.shard_offset(shard)
+        dst = param.data.narrow(0, start, size)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match "
+                             f"the layer's {tuple(dst.shape)} (shard {shard})")
+        dst.copy_(tensor)
+
+    def apply(self, layer: LinearBase, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+@hookimpl
+def register_quant_methods(register):
+    register("fp16", UnquantizedMethod)
