@@ -44,7 +44,9 @@ class AttentionBackend(ABC):
     """Reads and writes the paged KV cache. Plugins implement this.
 
     Layout: ``kv_cache_shape`` gives the shape of one layer's cache tensor; the default is
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V). The cache is allocated
+    uninitialized: slots past a request's ``seq_len`` (and padding entries of block tables) may
+    hold anything, NaN included, and must never reach the output.
     """
 
     name: str = "?"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,12 +89,15 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 def parse_size(v: Any) -> int:
     """Bytes from ``4GiB``, ``512MiB``, ``2.5GB`` or a plain integer. Raises ValueError."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        n = int(v)
+        x = v
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(v))
         if not m or m.group(2).lower() not in _SIZE_UNITS:
             raise ValueError("expected a size such as 4GiB, 512MiB or a number of bytes")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        x = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if isinstance(x, float) and not math.isfinite(x):  # YAML .inf: ValueError, not OverflowError
+        raise ValueError("expected a finite size")
+    n = int(x)
     if n <= 0:
         raise ValueError("must be a positive size")
     return n

@@ -12,7 +12,8 @@ from typing import Any
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest
-from .errors import (ConfigError, ContextLengthError, InvalidRequestError, InvalidTokenError)
+from .errors import (ConfigError, ContextLengthError, InvalidRequestError, InvalidTokenError,
+                     ModelNotFoundError)
 from .model_loader import (eos_token_ids, generation_defaults, load_hf_config, resolve_model)
 from .registry import Registry, registry as default_registry
 from .request import CompletionOutput, RequestOutput, SamplingParams
@@ -28,7 +29,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     output_token_ids: list[int]
 
 
@@ -38,7 +39,7 @@ class LLMEngine:
         self.registry = registry or default_registry()
         self.source = resolve_model(config.model, config.load_format)
         self.hf_config = load_hf_config(self.source.folder)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.source.folder)
+        self.tokenizer = self._load_tokenizer()
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
         mnbt = config.max_num_batched_tokens or max(self.max_model_len, 2048)
@@ -56,6 +57,20 @@ class LLMEngine:
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
         self.registry.engine_started(config)
+
+    def _load_tokenizer(self) -> Any:
+        """The tokenizer of ``tokenizer`` (a folder or a model name such as smollm2-135m), else
+        the model folder's. With dummy weights and no tokenizer files there is none: requests
+        must then give prompt_token_ids."""
+        name = self.config.tokenizer
+        folder = resolve_model(name).folder if name else self.source.folder
+        try:
+            return load_tokenizer(folder)
+        except ModelNotFoundError:
+            if name or self.config.load_format != "dummy":
+                raise
+            logger.warning("no tokenizer in %s: only prompt_token_ids prompts work", folder)
+            return None
 
     def _resolve_max_model_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None)
@@ -78,7 +93,8 @@ class LLMEngine:
     def prepare(self, prompt: PromptType, params: SamplingParams | None,
                 request_id: str | None = None) -> tuple[EngineCoreRequest, _RequestState]:
         """Tokenize and validate; raises InvalidRequestError subclasses. Queues nothing."""
-        params = (params or SamplingParams()).with_defaults(self.sampling_defaults)
+        if params is None:  # as vLLM: the model's generation_config only fills in a default
+            params = self.default_sampling_params()
         params.validate()
         text, ids = self._tokenize(prompt)
         if not ids:
@@ -102,11 +118,15 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         core_req = EngineCoreRequest(rid, ids, params, self.eos_token_ids, seed)
-        state = _RequestState(text, ids, params, IncrementalDetokenizer(self.tokenizer, ids), [])
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        state = _RequestState(text, ids, params, detok, [])
         return core_req, state
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer (dummy weights): give "
+                                          "{'prompt_token_ids': [...]}")
             return prompt, self.tokenizer(prompt)["input_ids"] if prompt else []
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -121,6 +141,8 @@ class LLMEngine:
                                   f"got {type(prompt).__name__}")
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer (dummy weights)")
         return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -148,16 +170,21 @@ class LLMEngine:
         st = self._states[o.request_id]
         finished = o.finish_reason is not None
         st.output_token_ids.extend(o.new_token_ids)
-        st.detok.add_tokens(o.new_token_ids, final=finished)
+        if st.detok is not None:
+            st.detok.add_tokens(o.new_token_ids, final=finished)
         stop_reason = None
         if o.finish_reason == "stop" and st.output_token_ids:
             last = st.output_token_ids[-1]
             stop_reason = last if last in st.params.stop_token_ids else None
-        comp = CompletionOutput(0, st.detok.text, list(st.output_token_ids), o.finish_reason,
+        text = st.detok.text if st.detok is not None else ""
+        comp = CompletionOutput(0, text, list(st.output_token_ids), o.finish_reason,
                                 stop_reason)
         out = RequestOutput(o.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
                             o.error)
         if finished:
             del self._states[o.request_id]
-            self.registry.request_finished(out)
+            try:
+                self.registry.request_finished(out)
+            except Exception:  # a broken stats plugin must not stop the engine
+                logger.exception("a request_finished hook raised; ignored")
         return out

@@ -47,7 +47,8 @@ class EngineCore:
                  registry: Registry, max_model_len: int, max_num_batched_tokens: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(config, source, hf_config, registry, max_model_len)
+        self.runner = ModelRunner(config, source, hf_config, registry, max_model_len,
+                                  max_num_batched_tokens)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)

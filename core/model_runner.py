@@ -18,6 +18,7 @@ from .attention import AttentionMetadata
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
 from .layers.context import ModelContext
+from .layers.linear import LinearBase
 from .model_loader import ModelSource, architecture, iter_safetensors
 from .registry import Registry
 from .request import GREEDY_EPS
@@ -56,12 +57,13 @@ class SamplingState:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
-                 registry: Registry, max_model_len: int):
+                 registry: Registry, max_model_len: int, max_num_batched_tokens: int):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         backend_name = config.attention_backend or "torch_ref"
         self.attn_backend = registry.attention_backend(backend_name)()
         reason = self.attn_backend.supports(self.device, self.dtype)
@@ -73,10 +75,10 @@ class ModelRunner:
         ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len)
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
+        self.vocab_size = int(hf_config.vocab_size)
         self._load_weights(source)
         self.model.eval()
         self.sampler = Sampler()
-        self.vocab_size = hf_config.vocab_size
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampling_states: dict[str, SamplingState] = {}
@@ -89,6 +91,9 @@ class ModelRunner:
                     p.data.fill_(1.0)
                 else:
                     p.data.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+            for mod in self.model.modules():
+                if isinstance(mod, LinearBase):
+                    mod.quant_method.process_weights_after_loading(mod)
             return
         with torch.no_grad():
             self.model.load_weights(iter_safetensors(source.folder, self.dtype))
@@ -99,7 +104,9 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         m = self.model
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        per_layer = np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads,
+                                                            m.head_dim))
+        return int(per_layer) * elem * m.num_layers
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: num_kv_blocks, else kv_cache_memory, else (cuda) what
@@ -118,24 +125,34 @@ class ModelRunner:
     def _profile_free_cuda_memory(self) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens or 2048, 8192)
-        self._dummy_forward(n)
+        self._dummy_forward(self.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.config.gpu_memory_utilization) - peak
 
     def _dummy_forward(self, num_tokens: int) -> None:
-        cache = torch.zeros(self.attn_backend.kv_cache_shape(
-            -(-num_tokens // self.block_size), self.block_size, self.model.num_kv_heads,
+        self.forward_scratch(list(range(num_tokens)), logits_rows=[num_tokens - 1])
+
+    @torch.inference_mode()
+    def forward_scratch(self, token_ids: list[int],
+                        logits_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits of one sequence computed from scratch in a private KV cache (the engine's
+        cache is untouched). Returns [len(logits_rows) or len(token_ids), vocab] fp32.
+
+        For tests that compare logits with another implementation, and for memory profiling.
+        """
+        n = len(token_ids)
+        cache = torch.empty(self.attn_backend.kv_cache_shape(
+            -(-n // self.block_size), self.block_size, self.model.num_kv_heads,
             self.model.head_dim), dtype=self.dtype, device=self.device)
-        meta = self._metadata(np.arange(num_tokens), [0, num_tokens], [num_tokens],
-                              [list(range(cache.shape[1]))])
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(num_tokens, device=self.device)
-        with torch.inference_mode():
-            h = self.model(ids, pos, [cache] * self.model.num_layers, meta)
-            self.model.compute_logits(h[-1:])
+        meta = self._metadata(np.arange(n), [0, n], [n], [list(range(cache.shape[1]))])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device) % self.vocab_size
+        pos = torch.arange(n, device=self.device)
+        h = self.model(ids, pos, [cache] * self.model.num_layers, meta)
+        if logits_rows is not None:
+            h = h[torch.tensor(logits_rows, device=self.device)]
+        return self.model.compute_logits(h)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         need = -(-self.max_model_len // self.block_size)
@@ -148,8 +165,8 @@ class ModelRunner:
                 f"max_model_len")
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
                                                  self.model.num_kv_heads, self.model.head_dim)
-        # zeros: padded reads of unused slots must be finite
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # empty, not zeros: backends must mask slots past seq_len (they may hold anything)
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
 

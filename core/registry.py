@@ -115,7 +115,7 @@ class Registry:
         except Exception as e:
             return self._broken(name, version, builtin, f"{type(e).__name__}: {e}")
         unknown = [
-            impl.function.__name__
+            hook.name  # the name pluggy looked up, not the function's own __name__
             for hook in self.pm.get_hookcallers(obj) or []
             for impl in hook.get_hookimpls()
             if impl.plugin is obj and hook.spec is None

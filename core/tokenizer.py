@@ -9,10 +9,11 @@ from .errors import InvalidRequestError, ModelNotFoundError
 
 
 def load_tokenizer(path: str | Path) -> Any:
+    """A tokenizer from a local folder (never downloaded). Raises ModelNotFoundError."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise ModelNotFoundError(f"cannot load a tokenizer from {str(path)!r}: {e}") from None
 

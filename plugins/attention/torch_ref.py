@@ -70,6 +70,7 @@ class TorchRefBackend(AttentionBackend):
         mask = t[None, :] >= metadata.seq_lens[:, None]
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
+        v = v.masked_fill(mask[:, :, None, None], 0.0)  # unused slots may hold NaN/inf
         return torch.einsum("bhgt,bthd->bhgd", probs, v).reshape(b, hq, d).to(query.dtype)
 
 

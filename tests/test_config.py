@@ -1,0 +1,262 @@
+"""EngineConfig (core/config.py): defaults, YAML file, CLI > file > defaults, errors, plugins."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import pagebatch.registry as registry_mod
+from pagebatch.config import (ConfigOption, EngineConfig, add_cli_options, cli_values,
+                              parse_bool, parse_size)
+from pagebatch.errors import ConfigError
+from pagebatch.hookspecs import hookimpl
+from pagebatch.registry import Registry
+
+THRESHOLD = ConfigOption("my_threshold", 0.5, "A policy's threshold.", float)
+FLAG = ConfigOption("my_flag", False, "A plugin's switch.", parse_bool, is_flag=True)
+PLUGIN_OPTS = {o.name: o for o in (THRESHOLD, FLAG)}
+
+
+def from_dict(values, plugin_options=None):
+    return EngineConfig.from_dict(values, plugin_options or {})
+
+
+def write(tmp_path, text, name="engine.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ---- defaults -----------------------------------------------------------------------------------
+
+def test_defaults():
+    cfg = EngineConfig()
+    assert cfg.model == "smollm2-135m"
+    assert (cfg.device, cfg.dtype, cfg.load_format) == ("auto", "auto", "auto")
+    assert cfg.block_size == 16
+    assert cfg.gpu_memory_utilization == 0.9
+    assert cfg.kv_cache_memory is None and cfg.num_kv_blocks is None
+    assert cfg.scheduling_policy == "fcfs"
+    assert cfg.max_num_seqs == 256
+    assert cfg.max_num_batched_tokens is None and cfg.max_model_len is None
+    assert cfg.quantization is None and cfg.attention_backend is None
+    assert cfg.plugin_options == {}
+    assert EngineConfig.from_sources(plugin_options={}) == cfg
+
+
+def test_core_options_cover_every_public_field():
+    names = [o.name for o in EngineConfig.core_options()]
+    assert "plugin_options" not in names
+    assert {"model", "dtype", "block_size", "max_num_seqs", "kv_cache_memory",
+            "scheduling_policy", "max_num_batched_tokens", "num_kv_blocks"} <= set(names)
+    assert set(EngineConfig().to_dict()) == set(names)
+
+
+# ---- sources ------------------------------------------------------------------------------------
+
+def test_yaml_file_loading(tmp_path):
+    f = write(tmp_path, "model: /models/llama\ndtype: float32\nblock_size: 32\n"
+                        "kv_cache_memory: 512MiB\nmax_num_seqs: 8\n")
+    cfg = EngineConfig.from_sources(file=f, plugin_options={})
+    assert cfg.model == "/models/llama" and cfg.dtype == "float32"
+    assert cfg.block_size == 32 and cfg.max_num_seqs == 8
+    assert cfg.kv_cache_memory == 512 * 2**20
+    assert cfg.device == "auto"  # untouched keys keep their defaults
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    cfg = EngineConfig.from_sources(file=write(tmp_path, ""), plugin_options={})
+    assert cfg == EngineConfig()
+
+
+def test_cli_over_file_over_defaults(tmp_path):
+    f = write(tmp_path, "max_num_seqs: 8\nblock_size: 32\n")
+    cfg = EngineConfig.from_sources(cli={"max_num_seqs": "4", "dtype": "float16"}, file=f,
+                                    plugin_options={})
+    assert cfg.max_num_seqs == 4  # CLI wins over the file
+    assert cfg.block_size == 32  # the file wins over the default
+    assert cfg.dtype == "float16"  # CLI over the default
+    assert cfg.gpu_memory_utilization == 0.9  # default
+
+
+def test_dashed_keys_in_file_and_cli(tmp_path):
+    f = write(tmp_path, "max-num-seqs: 8\nkv-cache-memory: 1GiB\nnum_kv_blocks: 12\n")
+    cfg = EngineConfig.from_sources(file=f, plugin_options={})
+    assert (cfg.max_num_seqs, cfg.kv_cache_memory, cfg.num_kv_blocks) == (8, 2**30, 12)
+    cfg = EngineConfig.from_sources(cli={"max-num-seqs": 3}, file=f, plugin_options={})
+    assert cfg.max_num_seqs == 3  # a dashed CLI key overrides the dashed file key
+
+
+@pytest.mark.parametrize("text, match", [
+    ("- a\n- b\n", "must hold a mapping"),
+    ("key: [unclosed\n", "not valid YAML"),
+])
+def test_bad_file_contents(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_sources(file=write(tmp_path, text), plugin_options={})
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        EngineConfig.from_sources(file=tmp_path / "nope.yaml", plugin_options={})
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+def test_unknown_key_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'max_num_seq'.*did you mean "
+                                          r"'max_num_seqs'"):
+        from_dict({"max_num_seq": 4})
+    with pytest.raises(ConfigError, match=r"'schedulng_policy'.*did you mean 'scheduling_policy'"):
+        EngineConfig.from_sources(file=write(tmp_path, "schedulng_policy: fcfs\n"),
+                                  plugin_options={})
+    with pytest.raises(ConfigError) as e:
+        from_dict({"zzzz": 1})
+    assert "'zzzz'" in str(e.value) and "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("max_num_seqs", -1, ">= 1"),
+    ("max_num_seqs", "many", "int"),
+    ("gpu_memory_utilization", 1.5, "(0, 1]"),
+    ("gpu_memory_utilization", 0, "(0, 1]"),
+    ("dtype", "float8", "float16"),
+    ("device", "tpu", "cuda"),
+    ("kv_cache_memory", "lots", "4GiB"),
+    ("kv_cache_memory", "-5MiB", "size"),
+    ("block_size", 0, ">= 1"),
+    ("block_size", 2.5, "integer"),
+    ("num_kv_blocks", True, "integer"),
+])
+def test_bad_values_name_key_value_and_limit(key, value, allowed):
+    with pytest.raises(ConfigError) as e:
+        from_dict({key: value})
+    msg = str(e.value)
+    assert repr(key) in msg and repr(value) in msg and allowed in msg
+
+
+def test_infinite_size_in_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"'kv_cache_memory'.*inf"):
+        EngineConfig.from_sources(file=write(tmp_path, "kv_cache_memory: .inf\n"),
+                                  plugin_options={})
+
+
+def test_bad_value_from_file_and_cli(tmp_path):
+    f = write(tmp_path, "gpu-memory-utilization: 1.5\n")
+    with pytest.raises(ConfigError, match=r"'gpu_memory_utilization'.*1\.5"):
+        EngineConfig.from_sources(file=f, plugin_options={})
+    # a good CLI value overrides the bad file value before it is parsed
+    cfg = EngineConfig.from_sources(cli={"gpu_memory_utilization": "0.5"}, file=f,
+                                    plugin_options={})
+    assert cfg.gpu_memory_utilization == 0.5
+
+
+def test_budget_below_max_model_len_is_an_error():
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=100.*max_model_len=200"):
+        from_dict({"max_num_batched_tokens": 100, "max_model_len": 200})
+    cfg = from_dict({"max_num_batched_tokens": 200, "max_model_len": 200})
+    assert (cfg.max_num_batched_tokens, cfg.max_model_len) == (200, 200)
+
+
+def test_optional_values_accept_none_spellings():
+    cfg = from_dict({"max_model_len": "none", "kv_cache_memory": None, "quantization": "null"})
+    assert (cfg.max_model_len, cfg.kv_cache_memory, cfg.quantization) == (None, None, None)
+    assert from_dict({"max_model_len": "2048"}).max_model_len == 2048
+
+
+# ---- parse_size ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, n", [
+    ("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), (1000, 1000), ("1000", 1000),
+    ("2.5GB", 2_500_000_000), ("64kib", 64 * 1024), (" 3 MB ", 3_000_000), (4096.0, 4096),
+])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["lots", "4 GiBs", "", "0", 0, -1, "1.2.3GB", True,
+                                 float("inf"), float("nan"), "9" * 400 + "GiB"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+# ---- plugin-declared options --------------------------------------------------------------------
+
+def test_plugin_options_are_accepted_and_stored():
+    cfg = from_dict({"my-threshold": "0.75", "max_num_seqs": 2}, PLUGIN_OPTS)
+    assert cfg.plugin_options == {"my_threshold": 0.75, "my_flag": False}
+    assert cfg.max_num_seqs == 2
+    assert not hasattr(cfg, "my_threshold")
+    assert cfg.to_dict()["my_threshold"] == 0.75
+    # untouched plugin keys get their declared default
+    assert from_dict({}, PLUGIN_OPTS).plugin_options == {"my_threshold": 0.5, "my_flag": False}
+
+
+def test_plugin_option_unknown_without_the_plugin_and_misspelled_with_it():
+    with pytest.raises(ConfigError, match="unknown config key 'my_threshold'"):
+        from_dict({"my_threshold": 0.1})
+    with pytest.raises(ConfigError, match="did you mean 'my_threshold'"):
+        from_dict({"my_treshold": 0.1}, PLUGIN_OPTS)
+    with pytest.raises(ConfigError, match=r"'my_threshold'.*'high'"):
+        from_dict({"my_threshold": "high"}, PLUGIN_OPTS)
+
+
+def test_plugin_options_from_the_registry_by_default(tmp_path, monkeypatch):
+    """With no plugin_options given, the schema is what loaded plugins declared."""
+    class OptionsPlugin:
+        @staticmethod
+        @hookimpl
+        def register_config_options(register):
+            register(THRESHOLD)
+
+    reg = Registry()
+    reg.register_plugin(OptionsPlugin, "options_plugin")
+    monkeypatch.setattr(registry_mod, "_registry", reg)
+    f = write(tmp_path, "my_threshold: 0.25\n")
+    cfg = EngineConfig.from_sources(file=f)
+    assert cfg.plugin_options == {"my_threshold": 0.25}
+    with pytest.raises(ConfigError, match="did you mean 'my_threshold'"):
+        EngineConfig.from_sources(cli={"my-treshold": 1})
+
+
+# ---- argparse round trip ------------------------------------------------------------------------
+
+def make_parser():
+    options = EngineConfig.core_options() + list(PLUGIN_OPTS.values())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_cli_options(parser, options)
+    return parser, options
+
+
+def test_cli_round_trip(tmp_path):
+    parser, options = make_parser()
+    f = write(tmp_path, "max_num_seqs: 8\nblock_size: 32\nmy_threshold: 0.9\n")
+    args = parser.parse_args(["--config", str(f), "--max-num-seqs", "4", "--kv-cache-memory",
+                              "1GiB", "--my-threshold", "0.25", "--my-flag", "--dtype",
+                              "float32"])
+    cli = cli_values(args, options)
+    # only what was given on the command line: unset options stay absent so the file can set them
+    assert cli == {"max_num_seqs": "4", "kv_cache_memory": "1GiB", "my_threshold": "0.25",
+                   "my_flag": True, "dtype": "float32"}
+    cfg = EngineConfig.from_sources(cli=cli, file=args.config, plugin_options=PLUGIN_OPTS)
+    assert cfg.max_num_seqs == 4 and cfg.block_size == 32 and cfg.dtype == "float32"
+    assert cfg.kv_cache_memory == 2**30
+    assert cfg.plugin_options == {"my_threshold": 0.25, "my_flag": True}
+
+
+def test_cli_no_flag_and_empty_command_line():
+    parser, options = make_parser()
+    assert cli_values(parser.parse_args(["--no-my-flag"]), options) == {"my_flag": False}
+    assert cli_values(parser.parse_args([]), options) == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-seq-typo", "3"])
+
+
+def test_cli_bad_value_is_a_config_error():
+    parser, options = make_parser()
+    cli = cli_values(parser.parse_args(["--max-num-seqs", "-3"]), options)
+    with pytest.raises(ConfigError, match=r"'max_num_seqs'.*'-3'.*>= 1"):
+        EngineConfig.from_sources(cli=cli, plugin_options=PLUGIN_OPTS)

@@ -1,0 +1,97 @@
+"""Meta-tests that keep the docs in step with the code: every config key is in
+docs/configuration.md, every hook has a heading in docs/plugins.md, and the example configs
+parse."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagebatch import hookspecs
+from pagebatch.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLES = ROOT / "examples" / "configs"
+
+
+def _hook_names() -> list[str]:
+    marker = f"{hookspecs.PROJECT}_spec"
+    return sorted(n for n, f in vars(hookspecs).items() if hasattr(f, marker))
+
+
+def _headings(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#")]
+
+
+@pytest.mark.parametrize("key", [o.name for o in EngineConfig.core_options()])
+def test_config_key_documented(key):
+    text = (DOCS / "configuration.md").read_text()
+    assert f"`{key}`" in text, f"config key {key!r} is not documented in docs/configuration.md"
+
+
+@pytest.mark.parametrize("opt", EngineConfig.core_options(), ids=lambda o: o.name)
+def test_config_default_documented(opt):
+    """The key's table row gives its current default (as YAML)."""
+    text = (DOCS / "configuration.md").read_text()
+    row = re.search(rf"^\| `{re.escape(opt.name)}` \| `([^`]*)` \|", text, re.M)
+    assert row, f"no table row `| `{opt.name}` | `DEFAULT` | ...` in docs/configuration.md"
+    assert yaml.safe_load(row.group(1)) == opt.default, (
+        f"docs/configuration.md gives {opt.name} default {row.group(1)!r}, code has "
+        f"{opt.default!r}")
+
+
+def test_hooks_exist():
+    assert "register_scheduling_policies" in _hook_names()
+
+
+@pytest.mark.parametrize("hook", _hook_names())
+def test_hook_documented(hook):
+    headings = _headings((DOCS / "plugins.md").read_text())
+    assert any(f"`{hook}" in h for h in headings), (
+        f"hook {hook!r} (core/hookspecs.py) has no heading in docs/plugins.md")
+
+
+def test_smollm2_cpu_example_parses():
+    cfg = EngineConfig.from_sources(file=EXAMPLES / "smollm2-cpu.yaml")
+    assert cfg.model == "smollm2-135m"
+    assert cfg.device == "cpu"
+    assert cfg.dtype == "float32"
+    assert cfg.kv_cache_memory == 2**30
+    assert cfg.max_model_len == 2048
+    assert cfg.max_num_seqs == 64
+
+
+def test_full_example_in_configuration_md_parses():
+    """The full example file in docs/configuration.md sets every core key to its default."""
+    text = (DOCS / "configuration.md").read_text()
+    block = re.search(r"## A full example.*?```yaml\n(.*?)```", text, re.S)
+    assert block, "docs/configuration.md has no yaml block under '## A full example'"
+    data = yaml.safe_load(block.group(1))
+    assert set(data) == {o.name for o in EngineConfig.core_options()}
+    cfg = EngineConfig.from_dict(data, plugin_options={})
+    assert cfg.to_dict() == EngineConfig().to_dict()
+
+
+# (folder, architecture, hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied)
+SHAPES = [
+    ("llama-3.2-1b", "LlamaForCausalLM", 2048, 16, 32, 8, 64, 8192, 128256, True),
+    ("llama-3.1-8b", "LlamaForCausalLM", 4096, 32, 32, 8, 128, 14336, 128256, False),
+    ("qwen3-0.6b", "Qwen3ForCausalLM", 1024, 28, 16, 8, 128, 3072, 151936, True),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_benchmark_shape_configs_load(shape):
+    """examples/configs/*/config.json load with transformers and hold the public shapes."""
+    from transformers import AutoConfig
+
+    folder, arch, *dims = shape
+    cfg = AutoConfig.from_pretrained(str(EXAMPLES / folder))
+    assert cfg.architectures == [arch]
+    assert [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+            cfg.tie_word_embeddings] == dims
