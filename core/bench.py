@@ -35,6 +35,12 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
                        help="transformers static batch size (default: all prompts at once)")
         p.add_argument("--output", metavar="JSON", help="write results as JSON")
         p.set_defaults(func=func)
+    from .bench_prefix import add_prefix_bench_args
+
+    p = bsub.add_parser("prefix", help="prefix caching on/off and fcfs vs lpm")
+    add_engine_args(p)
+    add_prefix_bench_args(p)
+    p.set_defaults(func=func)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -83,6 +89,11 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]], o
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     from .model_loader import load_hf_config, resolve_model
+
+    if args.bench_kind == "prefix":
+        from .bench_prefix import run_prefix_bench
+
+        return run_prefix_bench(args, config)
 
     source = resolve_model(config.model, config.load_format)
     vocab = int(load_hf_config(source.folder).vocab_size)

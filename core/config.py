@@ -53,7 +53,7 @@ def parse_bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def _int(minimum: int | None = None) -> Callable[[Any], int]:
+def parse_int(minimum: int | None = None) -> Callable[[Any], int]:
     def parse(v: Any) -> int:
         if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError("expected an integer")
@@ -138,17 +138,17 @@ class EngineConfig:
                       _choice(DTYPES), choices=DTYPES)
     max_model_len: int | None = _opt("max_model_len", None,
                                      "Longest sequence (prompt + output) in tokens; default: "
-                                     "the model's max_position_embeddings.", _optional(_int(1)))
+                                     "the model's max_position_embeddings.", _optional(parse_int(1)))
     load_format: str = _opt("load_format", "auto", "auto, safetensors, gguf or dummy (random).",
                             _choice(LOAD_FORMATS), choices=LOAD_FORMATS)
     seed: int = _opt("seed", 0, "Seed of the engine's random stream (dummy weights, sampling).",
-                     _int())
+                     parse_int())
     generation_config: str = _opt("generation_config", "auto",
                                   "auto: a model's generation_config.json sets sampling "
                                   "defaults; vllm: ignore it.", _choice(("auto", "vllm")),
                                   choices=("auto", "vllm"))
     # cache
-    block_size: int = _opt("block_size", 16, "Tokens per KV cache block.", _int(1))
+    block_size: int = _opt("block_size", 16, "Tokens per KV cache block.", parse_int(1))
     gpu_memory_utilization: float = _opt("gpu_memory_utilization", 0.9,
                                          "Fraction of GPU memory for weights, activations and "
                                          "KV cache (cuda).", _fraction)
@@ -158,23 +158,30 @@ class EngineConfig:
                                        _optional(parse_size))
     num_kv_blocks: int | None = _opt("num_kv_blocks", None,
                                      "Force the number of KV cache blocks (overrides sizes).",
-                                     _optional(_int(1)))
+                                     _optional(parse_int(1)))
+    enable_prefix_caching: bool = _opt("enable_prefix_caching", True,
+                                       "Reuse the KV of cached prompt prefixes (hashed blocks).",
+                                       parse_bool)
     kv_cache_dtype: str = _opt("kv_cache_dtype", "auto", "KV cache dtype; auto = model dtype.",
                                _choice(("auto",)), choices=("auto",))
     # scheduler
     scheduling_policy: str = _opt("scheduling_policy", "fcfs",
                                   "Scheduling policy plugin name (fcfs, ...).")
-    max_num_seqs: int = _opt("max_num_seqs", 256, "Most requests in one step's batch.", _int(1))
+    max_num_seqs: int = _opt("max_num_seqs", 256, "Most requests in one step's batch.", parse_int(1))
     max_num_batched_tokens: int | None = _opt(
         "max_num_batched_tokens", None,
-        "Token budget of one step; default max(max_model_len, 2048).", _optional(_int(1)))
+        "Token budget of one step; default 8192 with chunked prefill, else "
+        "max(max_model_len, 2048).", _optional(parse_int(1)))
+    enable_chunked_prefill: bool = _opt("enable_chunked_prefill", True,
+                                        "Split prompts longer than the step's token budget over "
+                                        "several steps, mixed with decodes.", parse_bool)
     # model execution
     quantization: str | None = _opt("quantization", None,
                                     "Quant method plugin; default: the checkpoint's, else fp16.",
                                     _optional(str))
-    attention_backend: str | None = _opt("attention_backend", None,
-                                         "Attention backend plugin; default torch_ref.",
-                                         _optional(str))
+    attention_backend: str | None = _opt(
+        "attention_backend", None,
+        "Attention backend plugin; default triton on CUDA, torch_ref on CPU.", _optional(str))
     # options declared by plugins: name -> value
     plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
@@ -245,7 +252,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Cross-key checks; raises ConfigError."""
-        if self.max_num_batched_tokens is not None and self.max_model_len is not None:
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None):
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ConfigError(
                     f"max_num_batched_tokens={self.max_num_batched_tokens} is below "

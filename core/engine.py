@@ -1,61 +1,64 @@
 """`LLMEngine`: the front half. Tokenizes and validates requests (a clear error, nothing
-queued), hands plain-data requests to the `EngineCore`, and turns new token ids into text."""
+queued), hands plain-data requests to the `EngineCore`, and turns new token ids into text.
+
+The core is an `EngineCore` in this process (``LLM``, tests) or a client of one in a thread or
+its own process (core/core_client.py); `AsyncEngine` (core/async_engine.py) drives an
+`LLMEngine` over such a client, so validation and output processing live here only."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest
-from .errors import (ConfigError, ContextLengthError, InvalidRequestError, InvalidTokenError,
-                     ModelNotFoundError)
-from .model_loader import (eos_token_ids, generation_defaults, load_hf_config, resolve_model)
+from .engine_core import (EngineCore, EngineCoreOutput, EngineCoreRequest, ModelSetup,
+                          resolve_model_setup)
+from .errors import (ContextLengthError, InvalidRequestError, InvalidTokenError, ModelNotFoundError,
+                     SamplingParamsError)
+from .model_loader import eos_token_ids, generation_defaults, resolve_model
 from .registry import Registry, registry as default_registry
-from .request import CompletionOutput, RequestOutput, SamplingParams
+from .output import RequestState, SampleState
+from .request import FinishReason, RequestOutput, SamplingParams
 from .tokenizer import chat_prompt_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
-
-
-@dataclass
-class _RequestState:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None
-    output_token_ids: list[int]
+# (config, registry, setup) -> an EngineCore or a client of one (core/core_client.py)
+CoreFactory = Callable[[EngineConfig, Registry, ModelSetup], Any]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, registry: Registry | None = None):
+    """The front half over one engine core.
+
+    ``core(config, registry, setup)`` builds what it talks to: by default an `EngineCore` in
+    this process (tests reach into it as ``engine.core``); `AsyncEngine` passes a client
+    (core/core_client.py). Either has add_request, abort_requests, step,
+    has_unfinished_requests and shutdown.
+    """
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None,
+                 core: CoreFactory | None = None):
         self.config = config
         self.registry = registry or default_registry()
-        self.source = resolve_model(config.model, config.load_format)
-        self.hf_config = load_hf_config(self.source.folder)
+        setup = resolve_model_setup(config, self.registry)
+        self.source, self.hf_config = setup.source, setup.hf_config
         self.tokenizer = self._load_tokenizer()
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.max_model_len = self._resolve_max_model_len()
-        mnbt = config.max_num_batched_tokens or max(self.max_model_len, 2048)
-        if mnbt < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={mnbt} is below max_model_len={self.max_model_len}: "
-                f"without chunked prefill a prompt of max_model_len tokens could never be "
-                f"scheduled; raise max_num_batched_tokens or lower max_model_len")
-        self.core = EngineCore(config, self.source, self.hf_config, self.registry,
-                               self.max_model_len, mnbt)
+        self.max_model_len = setup.max_model_len
+        self.core = (core or EngineCore.from_config)(config, self.registry, setup)
         self.eos_token_ids = eos_token_ids(self.source.folder, self.hf_config, self.tokenizer)
         self.sampling_defaults = (generation_defaults(self.source.folder)
                                   if config.generation_config == "auto" else {})
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
+        self._core_ids: dict[str, tuple[str, int]] = {}  # core request id -> (request id, index)
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for log-prob dicts
         self.registry.engine_started(config)
 
     def _load_tokenizer(self) -> Any:
@@ -72,30 +75,21 @@ class LLMEngine:
             logger.warning("no tokenizer in %s: only prompt_token_ids prompts work", folder)
             return None
 
-    def _resolve_max_model_len(self) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None)
-        want = self.config.max_model_len
-        if want is None:
-            if model_max is None:
-                raise ConfigError("the model's config.json has no max_position_embeddings: "
-                                  "set max_model_len")
-            return int(model_max)
-        if model_max is not None and want > model_max:
-            raise ConfigError(f"max_model_len={want} exceeds the model's "
-                              f"max_position_embeddings={model_max}")
-        return want
-
     # ---- requests -----------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams().with_defaults(self.sampling_defaults)
 
     def prepare(self, prompt: PromptType, params: SamplingParams | None,
-                request_id: str | None = None) -> tuple[EngineCoreRequest, _RequestState]:
-        """Tokenize and validate; raises InvalidRequestError subclasses. Queues nothing."""
+                request_id: str | None = None) -> tuple[EngineCoreRequest, RequestState]:
+        """Tokenize and validate; raises InvalidRequestError subclasses. Queues nothing.
+
+        Returns the request for the core and the front half's state; `submit` sends it (as n
+        core requests when ``params.n > 1``)."""
         if params is None:  # as vLLM: the model's generation_config only fills in a default
             params = self.default_sampling_params()
         params.validate()
+        self._check_vocab(params)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
@@ -114,13 +108,45 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{n + params.max_tokens} exceeds max_model_len={limit}")
         rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self._states:
+        # n > 1: vLLM's child ids and seeds (seed + index when seeded, else drawn per sample)
+        core_ids = [rid] if params.n == 1 else [f"{i}_{rid}" for i in range(params.n)]
+        if rid in self._states or any(c in self._core_ids for c in core_ids):
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        core_req = EngineCoreRequest(rid, ids, params, self.eos_token_ids, seed)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        state = _RequestState(text, ids, params, detok, [])
-        return core_req, state
+        seeds = [(params.seed + i) % (1 << 63) if params.seed is not None
+                 else self._seeds.getrandbits(63) for i in range(params.n)]
+        samples = []
+        for i, (cid, seed) in enumerate(zip(core_ids, seeds)):
+            detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                     if self.tokenizer else None)
+            samples.append(SampleState(i, cid, seed, params, detok,
+                                       self._decode_token if self.tokenizer else None))
+        core_req = EngineCoreRequest(rid, ids, params, self.eos_token_ids, seeds[0])
+        return core_req, RequestState(text, ids, params, samples)
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        """Token ids in the sampling params against the vocabulary; stop strings need text."""
+        v = self.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= v]
+            if bad:
+                raise SamplingParamsError(f"{name} has token id {bad[0]}, outside the "
+                                          f"vocabulary [0, {v})")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > v:
+                raise SamplingParamsError(f"{name}={n} is invalid: more than the vocabulary "
+                                          f"size {v}")
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequestError(f"stop={params.stop!r} needs a tokenizer to find text; "
+                                      f"this engine has none (dummy weights): use "
+                                      f"stop_token_ids")
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -151,12 +177,34 @@ class LLMEngine:
         self.submit(core_req, state)
         return core_req.request_id
 
-    def submit(self, core_req: EngineCoreRequest, state: _RequestState) -> None:
-        self._states[core_req.request_id] = state
-        self.core.add_request(core_req)
+    def submit(self, core_req: EngineCoreRequest, state: RequestState) -> None:
+        """Queue a prepared request: one core request per sample (n > 1 fans out into n core
+        requests with their own ids and seeds; only the first computes prompt log-probs)."""
+        rid = core_req.request_id
+        self._states[rid] = state
+        for s in state.samples:
+            self._core_ids[s.core_id] = (rid, s.index)
+        if len(state.samples) == 1:
+            self.core.add_request(core_req)
+            return
+        for s in state.samples:
+            params = dataclasses.replace(
+                core_req.sampling_params, n=1,
+                prompt_logprobs=core_req.sampling_params.prompt_logprobs if s.index == 0
+                else None)
+            self.core.add_request(dataclasses.replace(
+                core_req, request_id=s.core_id, sampling_params=params, seed=s.seed))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        return [self._process(o) for o in self.core.abort_requests(request_ids)]
+        """Abort requests (all n samples of each). Returns their final outputs (finish reason
+        ``abort``) when the core answers at once (an EngineCore here); a client's core answers
+        through `step`."""
+        core_ids = []
+        for rid in request_ids:
+            st = self._states.get(rid)
+            core_ids += ([s.core_id for s in st.samples if not s.finished] if st is not None
+                         else [rid])
+        return self.process_outputs(self.core.abort_requests(core_ids))
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -164,25 +212,72 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that changed."""
-        return [self._process(o) for o in self.core.step()]
+        return self.process_outputs(self.core.step())
 
-    def _process(self, o: EngineCoreOutput) -> RequestOutput:
-        st = self._states[o.request_id]
-        finished = o.finish_reason is not None
-        st.output_token_ids.extend(o.new_token_ids)
-        if st.detok is not None:
-            st.detok.add_tokens(o.new_token_ids, final=finished)
-        stop_reason = None
-        if o.finish_reason == "stop" and st.output_token_ids:
-            last = st.output_token_ids[-1]
-            stop_reason = last if last in st.params.stop_token_ids else None
-        text = st.detok.text if st.detok is not None else ""
-        comp = CompletionOutput(0, text, list(st.output_token_ids), o.finish_reason,
-                                stop_reason)
-        out = RequestOutput(o.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
-                            o.error)
-        if finished:
-            del self._states[o.request_id]
+    def shutdown(self) -> None:
+        """Stop the core (and its process, when it has one); pending requests are dropped."""
+        self.core.shutdown()
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """The front half's output processing, for `step` and `AsyncEngine` alike: one
+        `RequestOutput` per request with a core output here (all n samples, cumulative text),
+        for requests still open here (outputs of samples finished here already, e.g. the core's
+        answer to an abort sent below, are dropped).
+
+        A sample that this side finishes while the core has not (a stop string) is aborted in
+        the core. A request whose processing raises is finished with finish reason ``error``
+        and its samples aborted; the others go on. See core/output.py for stop strings.
+        """
+        touched: dict[str, None] = {}
+        to_abort: list[str] = []
+        for o in outputs:
+            link = self._core_ids.get(o.request_id)
+            if link is None:
+                continue
+            rid = link[0]
+            try:
+                if self._process(o):
+                    to_abort.append(o.request_id)
+            except Exception as e:  # one request's failure must not lose the others
+                logger.exception("output processing of request %r failed", o.request_id)
+                to_abort += self._fail(rid, f"{type(e).__name__}: {e}")
+            touched[rid] = None
+        results = [self._request_output(rid) for rid in touched]
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return results
+
+    def _process(self, o: EngineCoreOutput) -> bool:
+        """Apply one core output to its sample. Returns True when the front half finished the
+        sample (a stop string) and the core must abort it."""
+        rid, index = self._core_ids[o.request_id]
+        st = self._states[rid]
+        if o.prompt_logprobs is not None:
+            st.add_prompt_logprobs(o.prompt_logprobs, self._decode_token if self.tokenizer
+                                   else None)
+        if o.error is not None and st.error is None:
+            st.error = o.error
+        sample = st.samples[index]
+        abort = sample.update(o)
+        if sample.finished:
+            del self._core_ids[o.request_id]
+        return abort
+
+    def _fail(self, rid: str, error: str) -> list[str]:
+        """Finish every open sample of ``rid`` with reason ``error``; returns their core ids."""
+        st = self._states[rid]
+        st.error = st.error or error
+        ids = [s.core_id for s in st.samples if not s.finished]
+        for s in st.samples:
+            if not s.finished:
+                s.finish_reason = FinishReason.ERROR.value
+            self._core_ids.pop(s.core_id, None)
+        return ids
+
+    def _request_output(self, rid: str) -> RequestOutput:
+        out = self._states[rid].output(rid)
+        if out.finished:
+            del self._states[rid]
             try:
                 self.registry.request_finished(out)
             except Exception:  # a broken stats plugin must not stop the engine

@@ -5,28 +5,63 @@ Kwon et al., SOSP 2023). A request owns a list of block ids, its *block table*; 
 request lives in slot ``block_table[i // block_size] * block_size + i % block_size``. The model
 runner owns the tensors; this module only hands out ids.
 
-Free blocks sit in a doubly linked queue in LRU order with O(1) removal from the middle (the
-layout of vLLM v1's ``FreeKVCacheBlockQueue``), so a later prefix cache can revive a freed block
-that still holds useful KV without scanning.
+Prefix caching (the design of vLLM v1's KV cache manager): a full block is identified by a hash
+chained over the blocks before it, ``hash(parent_hash, token_ids, extra_keys)`` (SHA-256, with a
+random per-process seed as the root so hashes cannot be predicted across processes or tenants;
+a request's ``cache_salt`` goes into the extra keys of its first block). A new request reuses the
+longest run of cached blocks matching its prompt (ref count + 1) and computes only the rest.
+Freed blocks keep their hash and go to the back of a doubly linked free queue in LRU order with
+O(1) removal (vLLM's ``FreeKVCacheBlockQueue``); they are evicted lazily, only when handed out
+again, and can be revived by a hit until then.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
+
+BlockHash = bytes
+_ROOT_HASH: BlockHash = os.urandom(32)  # per-process seed of every hash chain
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """SHA-256 over (parent hash, token ids, extra keys); the root parent is a random seed."""
+    h = hashlib.sha256(parent if parent is not None else _ROOT_HASH)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None = None) -> None:
+    """Append the hashes of blocks that became full since ``hashes`` was last extended.
+
+    Each block is hashed once, when it fills. ``token_ids``: the request's prompt + outputs.
+    """
+    start = len(hashes)
+    for i in range(start, len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        extra = cache_salt.encode() if (i == 0 and cache_salt) else b""
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
-    """One block: its id, how many requests use it, and its links in the free queue."""
+    """One block: its id, how many requests use it, its hash once full, and its links in the
+    free queue."""
 
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
     prev_free: "KVCacheBlock | None" = None
     next_free: "KVCacheBlock | None" = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        cached = ", cached" if self.block_hash is not None else ""
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class FreeBlockQueue:
@@ -76,7 +111,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks of the cache, with ref counts and the free queue."""
+    """All blocks of the cache: ref counts, the free queue and the hash -> block map."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -84,24 +119,44 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0  # lets callers know when a cached prefix may have shrunk
+        self.num_cached_inserts = 0  # ... or grown
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` free blocks (ref count 1 each). Raises ValueError if fewer are free."""
+        """Take ``n`` free blocks (ref count 1 each), evicting their cached hashes.
+        Raises ValueError if fewer are free."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         return out
 
+    def _evict(self, b: KVCacheBlock) -> None:
+        if self.cached.get(b.block_hash) is b:
+            del self.cached[b.block_hash]
+        b.block_hash = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a user to each (cache-hit) block, reviving it from the free queue if unused."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; a block reaching 0 goes to the back of the queue.
+        """Drop one reference from each block; a block reaching 0 goes to the back of the queue
+        (still hashed: it can be revived until it is handed out again).
 
         Pass blocks in the order they should be evicted (callers free a request's blocks
         tail first, so its prefix outlives its suffix).
@@ -113,6 +168,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
+    def cache_block(self, b: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash. A hash already cached (the same content
+        computed twice) keeps its first block; this one stays unhashed."""
+        if b.block_hash is not None or block_hash in self.cached:
+            return
+        b.block_hash = block_hash
+        self.cached[block_hash] = b
+        self.num_cached_inserts += 1
+
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0.0 to 1.0."""
@@ -123,19 +190,34 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Token counts for the hit rate: queries = prompt tokens looked up, hits = found cached.
+    The scheduler records a lookup once per admission, and not for a request recomputing after
+    preemption."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class KVCacheManager:
     """Gives requests the blocks they need, step by step, and takes them back.
 
-    ``allocate_slots(request_id, num_tokens_after_step)`` grows a request's block table to cover
-    that many tokens; ``free(request_id)`` returns all of its blocks.
+    ``get_computed_blocks(hashes, num_tokens)`` finds a new request's cached prefix;
+    ``allocate_slots(request_id, num_tokens, new_computed_blocks, block_hashes)`` grows its block
+    table to cover ``num_tokens`` tokens and registers blocks that are now full;
+    ``free(request_id)`` returns all of its blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_num_cached: dict[str, int] = {}  # blocks of each request registered so far
+        self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +231,39 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def get_computed_blocks(self, block_hashes: Sequence[BlockHash],
+                            num_tokens: int) -> list[KVCacheBlock]:
+        """The longest cached prefix of a request, as blocks (not yet touched).
+
+        At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
+        since its logits are needed.
+        """
+        if not self.enable_caching:
+            return []
+        limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        hits = []
+        for h in block_hashes[:limit]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
+        """How many leading blocks are cached, assuming the first ``start`` are (no counting)."""
+        n = start
+        while n < len(block_hashes) and self.pool.lookup(block_hashes[n]) is not None:
+            n += 1
+        return n
+
+    # ---- allocation ---------------------------------------------------------------------------
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs so that its table covers ``num_tokens`` tokens."""
         have = len(self.req_blocks.get(request_id, ()))
@@ -157,24 +272,52 @@ class KVCacheManager:
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        block_hashes: Sequence[BlockHash] = (),
+    ) -> list[int] | None:
         """Grow the block table to cover ``num_tokens`` tokens in total.
 
-        Returns the ids of the newly taken blocks (possibly empty), or None when too few blocks
-        are free (nothing is taken then).
+        ``new_computed_blocks``: cache hits found for a request being admitted; they head its
+        table. ``block_hashes``: the request's full-block hashes, for registering the blocks that
+        this allocation fills (a block is full once the tokens scheduled so far cover it).
+        Returns the ids of the newly taken blocks, or None when too few blocks are free
+        (nothing is taken then).
         """
-        need = self.blocks_needed(request_id, num_tokens)
-        if need > self.num_free_blocks:
+        have = self.req_blocks.get(request_id)
+        held = len(have) if have else 0
+        need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need + revived > self.num_free_blocks:
             return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
         new = self.pool.get_new_blocks(need)
-        self.req_blocks.setdefault(request_id, []).extend(new)
+        blocks = self.req_blocks.setdefault(request_id, [])
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new)
+        if self.enable_caching and block_hashes:
+            self._cache_full_blocks(request_id, blocks, block_hashes, num_tokens)
         return [b.block_id for b in new]
+
+    def _cache_full_blocks(self, request_id: str, blocks: list[KVCacheBlock],
+                           block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        done = self.req_num_cached.get(request_id, 0)
+        full = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
+        for i in range(done, full):
+            self.pool.cache_block(blocks[i], block_hashes[i])
+        if full > done:
+            self.req_num_cached[request_id] = full
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def free(self, request_id: str) -> None:
         """Return every block of the request (tail first). Freeing an unknown id is a no-op."""
+        self.req_num_cached.pop(request_id, None)
         blocks = self.req_blocks.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))

@@ -21,8 +21,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2"}
 
 # SamplingParams fields a generation_config.json may set (vLLM's "auto" generation config)
-_GEN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-             "max_new_tokens": "max_tokens"}
+_GEN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def smollm2_gguf_path() -> Path:

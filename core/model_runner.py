@@ -2,7 +2,8 @@
 `SchedulerOutput` into one flattened batch, runs the model and samples.
 
 Per step the batch is: input ids and positions [T], slot mapping [T], query start locations
-[B+1], sequence lengths [B], block tables [B, max_blocks] and the rows whose logits are sampled.
+[B+1], sequence lengths [B], block tables [B, max_blocks] and the rows whose logits are sampled
+(plus, for requests that ask for prompt log-probs, their prompt rows).
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ from .layers.context import ModelContext
 from .layers.linear import LinearBase
 from .model_loader import ModelSource, architecture, iter_safetensors
 from .registry import Registry
-from .request import GREEDY_EPS
-from .sampler import Sampler, SamplingBatch
-from .scheduler import SchedulerOutput
+from .request import LogprobsLists
+from .sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from .sampling_state import SamplingState, SamplingStates
+from .scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+PROMPT_LOGPROBS_CHUNK = 512  # prompt rows per logits computation (bounds [rows, vocab] memory)
+
+__all__ = ["ModelRunner", "SamplingState", "resolve_device", "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,13 +51,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class SamplingState:
-    """What the runner keeps per request to build sampling tensors (set once, at admission)."""
+class _PromptLogprobsJob:
+    """Prompt log-prob rows of one request in this step: flattened rows ``row0 ..
+    row0 + len(targets) - 1`` predict prompt tokens ``targets``, the first at prompt index
+    ``start``."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
+    request_id: str
+    row0: int
+    start: int
+    targets: list[int]
+    num: int
 
 
 class ModelRunner:
@@ -64,7 +72,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        backend_name = config.attention_backend or "torch_ref"
+        # default: Triton kernels on CUDA, plain torch elsewhere
+        backend_name = config.attention_backend or (
+            "triton" if self.device.type == "cuda" else "torch_ref")
         self.attn_backend = registry.attention_backend(backend_name)()
         reason = self.attn_backend.supports(self.device, self.dtype)
         if reason:
@@ -81,7 +91,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        self.sampling_states: dict[str, SamplingState] = {}
+        self.sampling_states = SamplingStates(self.vocab_size, self.device)
+        # log-probs of the last `execute`, request id -> LogprobsLists (see `execute`)
+        self.step_logprobs: dict[str, LogprobsLists] = {}
+        self.step_prompt_logprobs: dict[str, LogprobsLists] = {}
 
     def _load_weights(self, source: ModelSource) -> None:
         if self.config.load_format == "dummy":
@@ -191,13 +204,19 @@ class ModelRunner:
         )
 
     def add_request_state(self, request_id: str, state: SamplingState) -> None:
-        self.sampling_states[request_id] = state
+        self.sampling_states.add(request_id, state)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns request id -> sampled token id for rows with ``sample``."""
-        for rid in so.finished_request_ids:
-            self.sampling_states.pop(rid, None)
+        """Run one step; returns request id -> sampled token id for rows with ``sample``.
+
+        Requests that ask for them also get log-probs, left until the next call in
+        ``step_logprobs`` (of the sampled token) and ``step_prompt_logprobs`` (of the prompt
+        positions computed in this step), request id -> `LogprobsLists`. Everything comes to
+        the host in one device-to-host copy.
+        """
+        self.step_logprobs, self.step_prompt_logprobs = {}, {}
+        self.sampling_states.remove(so.finished_request_ids)
         if so.is_empty:
             return {}
         bs = self.block_size
@@ -205,7 +224,11 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         qsl, seq_lens, tables, logits_rows, sample_ids = [0], [], [], [], []
+        prompt_jobs: list[_PromptLogprobsJob] = []
         for sr in so.scheduled:
+            job = self._prompt_logprobs_job(sr, qsl[-1])
+            if job is not None:
+                prompt_jobs.append(job)
             n = len(sr.token_ids)
             token_ids.extend(sr.token_ids)
             pos = np.arange(sr.start_pos, sr.start_pos + n)
@@ -224,27 +247,94 @@ class ModelRunner:
         pos_np = np.concatenate(positions)
         pos_t = torch.from_numpy(pos_np).to(dev)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        if not sample_ids:
-            return {}
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])
-        batch = self._sampling_batch(sample_ids, [int(pos_np[r]) + 1 for r in logits_rows])
-        tokens = self.sampler(logits, batch).tolist()  # the step's one device-to-host copy
-        return dict(zip(sample_ids, tokens))
+        prompt_lp = self._prompt_logprobs(hidden, prompt_jobs) if prompt_jobs else None
+        tokens_t, sample_lp = None, None
+        if sample_ids:
+            rows = torch.tensor(logits_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden[rows])
+            batch = self.sampling_states.batch(sample_ids,
+                                               [int(pos_np[r]) + 1 for r in logits_rows])
+            out = self.sampler(logits, batch)
+            self.sampling_states.update(out.token_ids)
+            tokens_t, sample_lp = out.token_ids, out.logprobs
+        if sample_lp is None and prompt_lp is None:
+            tokens = tokens_t.tolist() if tokens_t is not None else []  # the one D2H copy
+            return dict(zip(sample_ids, tokens))
+        return self._unpack(sample_ids, tokens_t, sample_lp, prompt_jobs, prompt_lp)
 
-    def _sampling_batch(self, request_ids: list[str], positions: list[int]) -> SamplingBatch:
-        states = [self.sampling_states[r] for r in request_ids]
+    # ---- log-probs ----------------------------------------------------------------------------
+
+    def _prompt_logprobs_job(self, sr: ScheduledRequest, row0: int) -> _PromptLogprobsJob | None:
+        """The prompt log-prob rows of ``sr`` whose row starts at flattened row ``row0``: rows
+        at positions p (< num_prompt_tokens - 1) predict prompt token p + 1; each prompt index
+        is handed out once (a recompute after preemption skips those already sent)."""
+        st = self.sampling_states.states.get(sr.request_id)
+        if st is None or st.prompt_logprobs is None:
+            return None
+        first = max(sr.start_pos, st.next_prompt_logprob - 1)
+        end = min(sr.start_pos + len(sr.token_ids), st.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        st.next_prompt_logprob = end + 1
+        return _PromptLogprobsJob(sr.request_id, row0 + first - sr.start_pos, first + 1,
+                                  st.prompt_token_ids[first + 1:end + 1], st.prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         jobs: list[_PromptLogprobsJob]) -> LogprobsTensors:
+        """Log-probs of every job's prompt rows, PROMPT_LOGPROBS_CHUNK rows of logits at a
+        time, with the largest N of the jobs."""
         dev = self.device
-        temps = [s.temperature for s in states]
-        top_k = [s.top_k for s in states]
-        top_p = [s.top_p for s in states]
-        return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            all_greedy=all(t < GREEDY_EPS for t in temps),
-            any_top_k=any(0 < k < self.vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-        )
+        rows = torch.tensor([j.row0 + i for j in jobs for i in range(len(j.targets))],
+                            dtype=torch.long, device=dev)
+        targets = torch.tensor([t for j in jobs for t in j.targets], dtype=torch.long,
+                               device=dev)
+        num = max(j.num for j in jobs)
+        parts = []
+        for a in range(0, rows.shape[0], PROMPT_LOGPROBS_CHUNK):
+            r = rows[a:a + PROMPT_LOGPROBS_CHUNK]
+            lp = compute_logprobs(self.model.compute_logits(hidden[r]))
+            parts.append(gather_logprobs(lp, targets[a:a + PROMPT_LOGPROBS_CHUNK], num))
+        return LogprobsTensors(torch.cat([p.token_ids for p in parts]),
+                               torch.cat([p.logprobs for p in parts]),
+                               torch.cat([p.ranks for p in parts]))
+
+    def _unpack(self, sample_ids: list[str], tokens_t: torch.Tensor | None,
+                sample_lp: LogprobsTensors | None, jobs: list[_PromptLogprobsJob],
+                prompt_lp: LogprobsTensors | None) -> dict[str, int]:
+        """Bring sampled ids and log-probs to the host in one copy (packed as fp64, which holds
+        token ids and fp32 values exactly), fill ``step_logprobs`` / ``step_prompt_logprobs``
+        and return the sampled ids."""
+        parts: list[torch.Tensor] = [] if tokens_t is None else [tokens_t]
+        for lp in (sample_lp, prompt_lp):
+            if lp is not None:
+                parts += [lp.token_ids.flatten(), lp.logprobs.flatten(), lp.ranks]
+        host = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
+        n = 0 if tokens_t is None else tokens_t.shape[0]
+        tokens = host[:n].astype(np.int64).tolist()
+        off = n
+
+        def take(lp: LogprobsTensors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            nonlocal off
+            r, w = lp.token_ids.shape
+            ids = host[off:off + r * w].astype(np.int64).reshape(r, w)
+            vals = host[off + r * w:off + 2 * r * w].reshape(r, w)
+            ranks = host[off + 2 * r * w:off + 2 * r * w + r].astype(np.int64)
+            off += 2 * r * w + r
+            return ids, vals, ranks
+
+        if sample_lp is not None:
+            ids, vals, ranks = take(sample_lp)
+            wanting = [r for r in sample_ids if self.sampling_states[r].logprobs is not None]
+            for i, rid in enumerate(wanting):
+                w = 1 + self.sampling_states[rid].logprobs
+                self.step_logprobs[rid] = LogprobsLists(
+                    [ids[i, :w].tolist()], [vals[i, :w].tolist()], [int(ranks[i])])
+        if prompt_lp is not None:
+            ids, vals, ranks = take(prompt_lp)
+            a = 0
+            for j in jobs:
+                b, w = a + len(j.targets), 1 + j.num
+                self.step_prompt_logprobs[j.request_id] = LogprobsLists(
+                    ids[a:b, :w].tolist(), vals[a:b, :w].tolist(), ranks[a:b].tolist(), j.start)
+                a = b
+        return dict(zip(sample_ids, tokens))

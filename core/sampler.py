@@ -1,4 +1,12 @@
-"""The batched sampler: greedy, temperature, top-k and top-p, on the logits' device.
+"""The batched sampler, on the logits' device: logit bias, min-tokens masking, penalties, greedy,
+temperature, min-p, top-k and top-p, and log-probs.
+
+The order is vLLM v1's: log-probs of the raw model distribution first (vLLM's default
+``raw_logprobs``); then logit bias and the min-tokens mask; then the repetition, frequency and
+presence penalties; greedy rows take the argmax of those logits; the rest are divided by their
+temperature and filtered by min-p, top-k and top-p before the draw. A processor runs only when
+some row of the batch asks for it (a host flag or a None field in `SamplingBatch`), so a plain
+greedy batch is one argmax.
 
 Random draws use a counter-based generator keyed on (request seed, token position, vocab index):
 the SplitMix64 finalizer (Steele et al., "Fast splittable pseudorandom number generators",
@@ -46,12 +54,35 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
 
 
 @dataclass
+class PenaltyBatch:
+    """Penalty inputs of one step, built only when some row has a penalty; rows without one carry
+    neutral values (presence 0, frequency 0, repetition 1) and zero counts.
+
+    output_counts: [n, vocab] int32, occurrences of each token in the row's output so far.
+    prompt_mask: [n, vocab] bool, tokens of the row's prompt; None when no row has a repetition
+    penalty. presence, frequency, repetition: [n] fp32.
+    """
+
+    output_counts: torch.Tensor
+    prompt_mask: torch.Tensor | None
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors on the logits' device.
 
-    temperature: [n] fp32 (0 = greedy); top_k: [n] int64 (0 = off); top_p: [n] fp32;
-    seeds, positions: [n] int64 (position = index of the token being sampled).
+    temperature: [n] fp32 (below GREEDY_EPS = greedy); top_k: [n] int64 (0 = off); top_p: [n]
+    fp32; seeds, positions: [n] int64 (position = index of the token being sampled).
     all_greedy / any_top_k / any_top_p: host flags that pick the fast paths.
+    min_p: [n] fp32, or None when no row asks. penalties: see `PenaltyBatch`, or None.
+    bias_rows / bias_token_ids / bias_values: [m] int64, int64, fp32 (logit_bias entries), or
+    None. masked_rows / masked_token_ids: [m] int64 entries set to -inf (EOS and stop token ids
+    of rows still short of min_tokens), or None.
+    logprob_rows: [r] int64 rows that want log-probs, or None; num_logprobs: the largest N
+    among them (each row's own N is cut on the host).
     """
 
     temperature: torch.Tensor
@@ -62,34 +93,115 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None
+    penalties: PenaltyBatch | None = None
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    masked_rows: torch.Tensor | None = None
+    masked_token_ids: torch.Tensor | None = None
+    logprob_rows: torch.Tensor | None = None
+    num_logprobs: int = 0
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probs of r positions (vLLM's ``LogprobsTensors``): column 0 is the position's actual
+    token, columns 1..N its top-N. token_ids: [r, 1+N] int64; logprobs: [r, 1+N] fp32;
+    ranks: [r] int64, the actual token's rank (1 = most likely; ties count against it)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64
+    logprobs: LogprobsTensors | None  # of batch.logprob_rows, None when no row asks
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: [n, vocab] fp32 -> token ids [n] int64."""
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy
-        is_greedy = batch.temperature < GREEDY_EPS
-        temp = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
-        x = logits / temp[:, None]
-        if batch.any_top_k or batch.any_top_p:
-            x = apply_top_k_top_p(x, batch.top_k if batch.any_top_k else None,
-                                  batch.top_p if batch.any_top_p else None)
-        u = counter_uniform(batch.seeds, batch.positions, x.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
-        sampled = (x + gumbel).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [n, vocab] fp32 (not modified) -> sampled ids [n] int64 and log-probs."""
+        raw = None
+        if batch.logprob_rows is not None:
+            raw = compute_logprobs(logits[batch.logprob_rows])
+        logits = apply_logits_processors(logits, batch)
+        tokens = sample(logits, batch)
+        lp = None
+        if raw is not None:
+            lp = gather_logprobs(raw, tokens[batch.logprob_rows], batch.num_logprobs)
+        return SamplerOutput(tokens, lp)
+
+
+def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, the min-tokens mask and the penalties (out of place). logits: [n, vocab]."""
+    if batch.bias_rows is not None:
+        logits = logits.index_put((batch.bias_rows, batch.bias_token_ids), batch.bias_values,
+                                  accumulate=True)
+    if batch.masked_rows is not None:
+        rows = batch.masked_rows
+        logits = logits.index_put((rows, batch.masked_token_ids),
+                                  torch.full(rows.shape, float("-inf"), device=logits.device))
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> torch.Tensor:
+    """vLLM's (and OpenAI's) definitions. Repetition (CTRL, Keskar et al. 2019) over prompt and
+    output tokens: a positive logit is divided by the penalty, a negative one multiplied.
+    Frequency and presence over output tokens: ``logit -= frequency * count + presence *
+    (count > 0)``. logits: [n, vocab] fp32 -> new [n, vocab] fp32."""
+    counts = p.output_counts
+    seen = counts > 0
+    if p.prompt_mask is not None:
+        rep = torch.where(seen | p.prompt_mask, p.repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+    return (logits - p.frequency[:, None] * counts
+            - p.presence[:, None] * seen.to(logits.dtype))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Greedy rows: argmax (first index on ties). Other rows: temperature, min-p, top-k, top-p,
+    then a Gumbel-max draw. logits: [n, vocab] fp32 -> [n] int64."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    is_greedy = batch.temperature < GREEDY_EPS
+    # fp32 and T >= GREEDY_EPS: |logits| / T stays far below fp32's range
+    temp = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+    x = logits / temp[:, None]
+    if batch.min_p is not None:
+        x = apply_min_p(x, batch.min_p)
+    if batch.any_top_k or batch.any_top_p:
+        x = apply_top_k_top_p(x, batch.top_k if batch.any_top_k else None,
+                              batch.top_p if batch.any_top_p else None)
+    u = counter_uniform(batch.seeds, batch.positions, x.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    sampled = (x + gumbel).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's largest (Nguyen et al.,
+    "Min-p sampling", 2024), in log space: keep ``x >= max(x) + log(min_p)``; no sort.
+    x: [n, vocab] fp32 (temperature applied); min_p: [n] fp32, 0 = off."""
+    threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return x.masked_fill(x < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p) to -inf. x: [n, vocab] fp32.
 
-    top_k: [n] int64, 0 or >= vocab = off; top_p: [n] fp32, 1.0 = off. One sort, only when asked.
+    top_k: [n] int64, 0 or >= vocab = off; top_p: [n] fp32, 1.0 = off. One sort, only when
+    asked; a stable sort, so that among equal logits the lowest id ranks first, as argmax
+    breaks ties (top_k=1 is greedy).
     """
     vocab = x.shape[-1]
-    sorted_x, idx = x.sort(dim=-1, descending=True)
+    sorted_x, idx = x.sort(dim=-1, descending=True, stable=True)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if top_k is not None:
         k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
@@ -101,3 +213,24 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
     keep[:, 0] = True
     mask = torch.empty_like(keep).scatter_(1, idx, keep)
     return x.masked_fill(~mask, float("-inf"))
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """[r, vocab] -> log_softmax in fp32."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num: int) -> LogprobsTensors:
+    """The actual tokens' log-probs and ranks plus each row's top-``num``.
+
+    logprobs: [r, vocab] fp32 (log_softmax); token_ids: [r] int64; num >= 0.
+    """
+    tok = token_ids.long()[:, None]
+    tok_lp = logprobs.gather(-1, tok)
+    ranks = (logprobs >= tok_lp).sum(dim=-1)
+    if num > 0:
+        top_lp, top_ids = logprobs.topk(num, dim=-1)
+        return LogprobsTensors(torch.cat([tok, top_ids], 1), torch.cat([tok_lp, top_lp], 1),
+                               ranks)
+    return LogprobsTensors(tok, tok_lp, ranks)

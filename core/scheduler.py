@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheManager, extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -47,7 +47,8 @@ class SchedulingPolicy(ABC):
         """The waiting requests in the order they should be admitted.
 
         ``waiting`` is in arrival order (a preempted request keeps its original arrival). The
-        scheduler admits from the front until one does not fit, then stops for this step.
+        scheduler admits from the front until one does not fit, then stops for this step. A
+        request left out of the result stays waiting this step.
         """
 
     @abstractmethod
@@ -100,16 +101,19 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float] = time.monotonic,
+        enable_chunked_prefill: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
         self.running: list[Request] = []  # admission order
         self._finished_ids: set[str] = set()
+        self.rejected: list[Request] = []  # finished with an error by the scheduler itself
         self.stats = SchedulerStats()
 
     # ---- queue changes ------------------------------------------------------------------------
@@ -117,9 +121,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        # an id finished since the last step is live again: the runner must keep its new state
+        self._finished_ids.discard(request.request_id)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        self._update_hashes(request)
         self._enqueue_waiting(request)
+
+    def _update_hashes(self, request: Request) -> None:
+        """Hash the blocks that just filled (each block once, when it fills)."""
+        kv = self.kv_cache
+        if kv.enable_caching and request.num_tokens // kv.block_size > len(request.block_hashes):
+            extend_block_hashes(request.block_hashes, request.all_token_ids,
+                                self.kv_cache.block_size, request.cache_salt)
 
     def _enqueue_waiting(self, request: Request) -> None:
         keys = [r.arrival_seq for r in self.waiting]
@@ -162,7 +176,13 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and tokens, allocating their blocks."""
+        """Pick this step's requests and tokens, allocating their blocks.
+
+        Running requests come first, decodes before prefill chunks; then waiting requests in
+        the policy's order. Requests with nothing to compute (their last step is still in
+        flight) are skipped, so a step can be scheduled before the previous one's tokens are
+        back.
+        """
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         scheduled_ids: set[str] = set()
@@ -180,13 +200,15 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
                           scheduled_ids: set[str], preempted: list[str]) -> int:
-        for req in list(self.running):
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + chunks:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = req.num_tokens - req.num_computed_tokens
-            if n == 0 or n > budget:
-                continue
-            while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:
+                break
+            while self._allocate(req, req.num_computed_tokens + n) is None:
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = self.policy.select_victim(candidates)
                 self._preempt(victim)
@@ -200,23 +222,43 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _allocate(self, req: Request, num_tokens: int, hits=()) -> list[int] | None:
+        return self.kv_cache.allocate_slots(req.request_id, num_tokens, hits, req.block_hashes)
+
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         if not self.waiting:
             return
-        ctx = PolicyContext(now=self.clock(), kv_cache=self.kv_cache)
+        kv = self.kv_cache
+        ctx = PolicyContext(now=self.clock(), kv_cache=kv)
         for req in list(self.policy.order_waiting(list(self.waiting), ctx)):
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or budget == 0:
                 break
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
+            if kv.blocks_needed(req.request_id, req.num_tokens) > kv.num_blocks:
+                self._reject(req)  # could never fit: don't let it block the queue
+                continue
+            hits = ([] if req.skip_prefix_cache
+                    else kv.get_computed_blocks(req.block_hashes, req.num_tokens))
+            num_cached = len(hits) * kv.block_size
+            n = req.num_tokens - num_cached
+            if self.enable_chunked_prefill:
+                n = min(n, budget)
+            elif n > budget:
                 break
-            if self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            if self._allocate(req, num_cached + n, hits) is None:
                 break
+            if req.num_preemptions == 0:
+                kv.record_lookup(req.num_tokens, num_cached)
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _reject(self, req: Request) -> None:
+        self._finish(req, FinishReason.ERROR)
+        self.rejected.append(req)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -253,6 +295,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.output_token_ids.append(tok)
+            self._update_hashes(req)
             out.append((req, [tok]))
             reason = req.check_stop()
             if reason is not None:

@@ -19,19 +19,25 @@ TINY_LLAMA = dict(
 )
 
 
-def build_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A random LlamaForCausalLM saved as a Hugging Face folder (config.json, safetensors) with
-    a byte-level tokenizer copied from SmolLM2 when available (tests that need text use it)."""
+def build_tiny_model(folder: Path, seed: int = 0, model_type: str = "llama",
+                     norm_std: float = 0.0, **overrides) -> Path:
+    """A random causal LM of transformers' ``model_type`` (default a LlamaForCausalLM; also
+    "mistral", "qwen2", "qwen3", ...) saved as a Hugging Face folder (config.json, safetensors)
+    with a word-level tokenizer (tests that need text use it). ``overrides`` are config fields on
+    top of TINY_LLAMA. Norm weights stay 1 unless ``norm_std`` > 0: then 1 + N(0, norm_std), so
+    that a norm weight that fails to load shows in the logits."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY_LLAMA, **overrides})
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    cfg = AutoConfig.for_model(model_type, **{**TINY_LLAMA, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():  # HF's init is tiny (std 0.02): widen it so logits are not all ties
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.2)
+            elif norm_std > 0:
+                p.normal_(1.0, norm_std)
     model.save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder, cfg.vocab_size)
     return folder

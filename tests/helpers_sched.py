@@ -157,9 +157,14 @@ def check_block_invariants(kv: KVCacheManager) -> None:
     """No block leaked, double-freed or held twice; ref counts equal live users."""
     pool = kv.pool
     free_ids = pool.free_queue.block_ids()
-    held = [b.block_id for blocks in kv.req_blocks.values() for b in blocks]
     assert len(free_ids) == len(set(free_ids)), f"a block is twice in the free queue: {free_ids}"
-    assert len(held) == len(set(held)), f"a block is held twice: {kv.req_blocks}"
+    for rid, blocks in kv.req_blocks.items():  # shared across requests (prefix hits), not within
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
+    held = sorted({b.block_id for blocks in kv.req_blocks.values() for b in blocks})
+    if not kv.enable_caching:
+        n_held = sum(len(blocks) for blocks in kv.req_blocks.values())
+        assert n_held == len(held), f"a block is held twice: {kv.req_blocks}"
     assert not set(free_ids) & set(held), f"blocks both free and held: {set(free_ids) & set(held)}"
     assert sorted(free_ids + held) == list(range(pool.num_blocks)), "a block leaked"
     assert pool.num_free_blocks == len(free_ids)

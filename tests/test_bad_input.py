@@ -85,7 +85,8 @@ def test_unknown_plugin(tiny_model_dir):
     ({"dtype": "float8"}, "float8"),
     ({"max_num_sequences": 4}, "did you mean 'max_num_seqs'"),
     ({"max_model_len": 4096}, "max_position_embeddings=256"),
-    ({"max_model_len": 256, "max_num_batched_tokens": 100}, "max_num_batched_tokens=100"),
+    ({"max_model_len": 256, "max_num_batched_tokens": 100, "enable_chunked_prefill": False},
+     "max_num_batched_tokens=100"),
 ])
 def test_bad_config_value(tiny_model_dir, kwargs, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -152,11 +152,16 @@ def test_bad_value_from_file_and_cli(tmp_path):
     assert cfg.gpu_memory_utilization == 0.5
 
 
-def test_budget_below_max_model_len_is_an_error():
+def test_budget_below_max_model_len_is_an_error_without_chunked_prefill():
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens=100.*max_model_len=200"):
-        from_dict({"max_num_batched_tokens": 100, "max_model_len": 200})
-    cfg = from_dict({"max_num_batched_tokens": 200, "max_model_len": 200})
+        from_dict({"max_num_batched_tokens": 100, "max_model_len": 200,
+                   "enable_chunked_prefill": False})
+    cfg = from_dict({"max_num_batched_tokens": 200, "max_model_len": 200,
+                     "enable_chunked_prefill": False})
     assert (cfg.max_num_batched_tokens, cfg.max_model_len) == (200, 200)
+    # with chunked prefill (the default) a long prompt is split over steps: allowed
+    cfg = from_dict({"max_num_batched_tokens": 100, "max_model_len": 200})
+    assert cfg.enable_chunked_prefill and cfg.max_num_batched_tokens == 100
 
 
 def test_optional_values_accept_none_spellings():

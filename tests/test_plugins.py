@@ -17,13 +17,21 @@ from helpers_sched import FakeRunner, make_request, run_until_done
 from pagebatch import hookspecs
 from pagebatch.cli import main as cli_main
 from pagebatch.config import ConfigOption
+import tomllib
+from pathlib import Path
+
 from pagebatch.errors import DuplicatePluginError, PluginError
 from pagebatch.hookspecs import hookimpl
 from pagebatch.kv_cache import KVCacheManager
 from pagebatch.registry import Registry, registry, reset_registry
 from pagebatch.scheduler import Scheduler, SchedulingPolicy
 
-BUILTINS = {
+# every built-in is an entry point in pyproject.toml; these four are checked in detail
+_PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+BUILTINS = set(_PYPROJECT["project"]["entry-points"]["pagebatch"])
+BUILTIN_POLICIES = ["fcfs", "lpm", "priority"]
+BUILTIN_OPTIONS = {"lpm_fcfs_threshold", "lpm_max_wait"}
+KNOWN_PROVIDES = {
     "fcfs": {"scheduling_policy": ["fcfs"]},
     "fp16": {"quant_method": ["fp16"]},
     "torch_ref": {"attention_backend": ["torch_ref"]},
@@ -172,7 +180,7 @@ def test_builtins_load_from_entry_points():
     from pagebatch.schedulers.fcfs import FCFSPolicy
 
     reg = loaded_registry()
-    for name, provides in BUILTINS.items():
+    for name, provides in KNOWN_PROVIDES.items():
         info = reg.plugins[name]
         assert (info.builtin, info.error, info.provides) == (True, None, provides)
         assert info.version == "0.1.0"
@@ -181,7 +189,7 @@ def test_builtins_load_from_entry_points():
     assert reg.attention_backend("torch_ref") is TorchRefBackend
     assert reg.model_class("LlamaForCausalLM") is LlamaForCausalLM
     assert reg.provider("scheduling_policy", "fcfs") == "fcfs"
-    assert reg.names("scheduling_policy") == ["fcfs"]
+    assert reg.names("scheduling_policy") == BUILTIN_POLICIES
 
 
 def test_loading_is_idempotent():
@@ -189,7 +197,7 @@ def test_loading_is_idempotent():
     before = {n: p for n, p in reg.plugins.items()}
     reg.load_entry_points()  # worker processes load again: no duplicate errors
     assert reg.plugins == before
-    assert reg.names("scheduling_policy") == ["fcfs"]
+    assert reg.names("scheduling_policy") == BUILTIN_POLICIES
     from pagebatch.schedulers import fcfs
 
     assert reg.register_plugin(fcfs, "fcfs") is before["fcfs"]
@@ -222,9 +230,10 @@ def test_register_plugin_and_look_its_components_up():
     assert reg.attention_backend("fake_attn") is FakeBackend
     assert reg.model_class("FakeForCausalLM") is FakeModel
     assert reg.frontend("fake_frontend") is FAKE_FRONTEND
-    assert reg.config_options() == {"lifo_depth": LIFO_OPTION}
+    assert reg.config_options()["lifo_depth"] == LIFO_OPTION
+    assert set(reg.config_options()) == {"lifo_depth", *BUILTIN_OPTIONS}
     assert reg.provider("scheduling_policy", "lifo") == "test_plugin"
-    assert reg.names("scheduling_policy") == ["fcfs", "lifo"]
+    assert reg.names("scheduling_policy") == sorted(BUILTIN_POLICIES + ["lifo"])
 
 
 def test_plugin_as_a_class_with_static_hooks():
@@ -242,10 +251,10 @@ def test_plugin_as_a_class_with_static_hooks():
 def test_unknown_name_lists_registered_names():
     reg = loaded_registry()
     with pytest.raises(PluginError, match=r"no scheduling policy named 'nope'; "
-                                          r"registered: \['fcfs'\]"):
+                                          r"registered: \['fcfs', 'lpm', 'priority'\]"):
         reg.scheduling_policy("nope")
     with pytest.raises(PluginError, match=r"no model named 'GPT2LMHeadModel'; "
-                                          r"registered: \['LlamaForCausalLM'\]"):
+                                          r"registered: \[.*'LlamaForCausalLM'.*\]"):
         reg.model_class("GPT2LMHeadModel")
     with pytest.raises(PluginError, match="registered: \\[\\]"):
         reg.frontend("serve")
@@ -262,7 +271,7 @@ def test_duplicate_name_names_both_plugins():
     assert "'fcfs'" in msg and "'dup_plugin'" in msg and "scheduling policy" in msg
     # nothing of the failed plugin stays registered; the built-in is untouched
     assert "dup_plugin" not in reg.plugins
-    assert reg.names("scheduling_policy") == ["fcfs"]
+    assert reg.names("scheduling_policy") == BUILTIN_POLICIES
     assert reg.provider("scheduling_policy", "fcfs") == "fcfs"
     assert not reg.pm.is_registered(dup)
 
@@ -327,7 +336,7 @@ def test_hook_that_raises_is_skipped_with_its_partial_registrations():
     assert not reg.pm.is_registered(raiser)
     reg.engine_started("cfg")
     assert started == []  # a skipped plugin gets no lifecycle calls either
-    assert reg.names("scheduling_policy") == ["fcfs"]
+    assert reg.names("scheduling_policy") == BUILTIN_POLICIES
     assert "FakeForCausalLM" not in reg.names("model")
     with pytest.raises(PluginError, match="raiser"):
         reg.scheduling_policy("half_done")
@@ -365,7 +374,8 @@ def two_third_party(third_party):
 def test_third_party_plugins_load_by_default(two_third_party):
     reg = loaded_registry()
     assert healthy(reg) == set(BUILTINS) | {"alpha", "beta"}
-    assert reg.names("scheduling_policy") == ["alpha_policy", "beta_policy", "fcfs"]
+    assert reg.names("scheduling_policy") == sorted(["alpha_policy", "beta_policy",
+                                                     *BUILTIN_POLICIES])
 
 
 def test_allow_list_limits_third_party_only(monkeypatch, two_third_party):
@@ -373,7 +383,7 @@ def test_allow_list_limits_third_party_only(monkeypatch, two_third_party):
     reg = loaded_registry()
     assert healthy(reg) == set(BUILTINS) | {"beta"}
     assert two_third_party["alpha"].loads == 0  # not even imported
-    assert reg.names("scheduling_policy") == ["beta_policy", "fcfs"]
+    assert reg.names("scheduling_policy") == sorted(["beta_policy", *BUILTIN_POLICIES])
 
 
 def test_disable_autoload_loads_builtins_only(monkeypatch, two_third_party):
@@ -405,7 +415,7 @@ def test_blocked_builtin_replaced_by_test_plugin_and_scheduler_runs_with_it(monk
     """Built-ins are plugins like any other: block fcfs, register another 'fcfs', run."""
     monkeypatch.setenv("PAGEBATCH_BLOCK_PLUGINS", "fcfs")
     reg = loaded_registry()
-    assert "fcfs" not in reg.plugins and reg.names("scheduling_policy") == []
+    assert "fcfs" not in reg.plugins and "fcfs" not in reg.names("scheduling_policy")
     assert set(BUILTINS) - {"fcfs"} <= healthy(reg)
     info = reg.register_plugin(policy_plugin("my_policies", "fcfs"), "my_policies")
     assert info.provides == {"scheduling_policy": ["fcfs"]}
@@ -472,7 +482,7 @@ def test_cli_plugins_lists_builtins_and_what_they_register(capsys, third_party):
                     FakeEntryPoint("broken", ImportError("gone"))]
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
-    for name, provides in BUILTINS.items():
+    for name, provides in KNOWN_PROVIDES.items():
         ((kind, names),) = provides.items()
         assert re.search(rf"^{name} 0\.1\.0 \(built-in\)\n    {kind}: {', '.join(names)}$", out,
                          re.M), out

@@ -15,11 +15,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [num_tokens, hidden]. With ``residual``, returns (norm(x + residual), x + residual);
-        without, returns norm(x). Computed in fp32, returned in x's dtype."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)  # the order of Hugging Face's LlamaRMSNorm
-        return out if residual is None else (out, residual)
+        without, returns norm(x). Computed in fp32, returned in x's dtype. On CUDA one fused
+        Triton kernel (core/kernels/norm.py) does it."""
+        if x.is_cuda:
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_torch(x, self.weight, self.eps, residual)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
+    """RMSNorm in plain torch (the CPU path and the kernels' reference); see RMSNorm.forward."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(x.dtype)  # the order of Hugging Face's LlamaRMSNorm
+    return out if residual is None else (out, residual)

@@ -1,4 +1,5 @@
-"""The Llama family: ``LlamaForCausalLM`` (Llama 2/3, SmolLM2).
+"""The Llama family: ``LlamaForCausalLM`` (Llama 2/3, SmolLM2), and the classes that Mistral
+and Qwen (plugins/models/mistral.py, qwen.py) subclass.
 
 Weights load by Hugging Face tensor names; q/k/v and gate/up are fused into one linear each.
 """
@@ -26,29 +27,44 @@ def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool) -> Linear
 
 
 class LlamaAttention(nn.Module):
+    """Grouped-query attention with RoPE. Subclasses change the q/k/v and o biases
+    (`projection_biases`) and may transform q and k per head before rotary (`qk_norm`)."""
+
     def __init__(self, cfg, ctx: ModelContext):
         super().__init__()
         hidden = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
-        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias, o_bias = self.projection_biases(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = _linear(ctx, hidden, [self.q_size, self.kv_size, self.kv_size], bias)
-        self.o_proj = _linear(ctx, self.q_size, [hidden], bias)
+        self.qkv_proj = _linear(ctx, hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = _linear(ctx, self.q_size, [hidden], o_bias)
         base, scaling = rope_params(cfg)
         self.rotary = RotaryEmbedding(self.head_dim, ctx.max_model_len, base, scaling, ctx.device)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, ctx.attn_backend)
 
+    @staticmethod
+    def projection_biases(cfg) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): Llama's ``attention_bias`` sets both (False by default)."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] before rotary; Llama leaves them as they are."""
+        return q, k
+
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        """positions: [T] int64, x: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -67,10 +83,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext):
+    def __init__(self, cfg, ctx: ModelContext,
+                 attention_cls: type[LlamaAttention] = LlamaAttention):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg, ctx)
+        self.self_attn = attention_cls(cfg, ctx)
         self.mlp = LlamaMLP(cfg, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
@@ -88,7 +105,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Model interface (see docs/plugins.md): ``forward``, ``compute_logits``, ``load_weights``,
-    and the KV geometry ``num_layers``, ``num_kv_heads``, ``head_dim``."""
+    the KV geometry ``num_layers``, ``num_kv_heads``, ``head_dim``, and the optional
+    ``max_model_len_limit``. Subclasses for other families of the same shape (Mistral, Qwen)
+    set ``attention_cls``."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     # HF name of a checkpoint tensor -> (our module path, shard index of a merged layer)
     stacked = {
@@ -100,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, self.attention_cls)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -109,6 +130,13 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    @classmethod
+    def max_model_len_limit(cls, hf_config) -> int | None:
+        """The longest sequence this model runs exactly for ``hf_config``, or None for no limit
+        beyond max_position_embeddings. The engine caps max_model_len to it with a warning
+        (core/engine.py). Llama has none; sliding-window families return their window."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

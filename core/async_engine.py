@@ -1,0 +1,194 @@
+"""`AsyncEngine`: the asyncio front half that serving frontends call.
+
+    engine = AsyncEngine.from_config(config)                  # the core in its own process
+    stream = await engine.add_request("Hello", SamplingParams(max_tokens=32))
+    async for out in stream:                                   # one RequestOutput per step
+        print(out.outputs[0].text)
+    engine.shutdown()
+
+It is an `LLMEngine` (validation, tokenization and output processing: core/engine.py) over a
+client of the core (core/core_client.py), plus an output thread that steps the client and routes
+each `RequestOutput` to its request's asyncio queue, on the event loop that added the request.
+A lock keeps the front half's state to one thread at a time. Per-request failures end only
+that request's stream; when the core dies, every open stream and every later call raises
+`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from .config import EngineConfig
+from .core_client import client_factory
+from .engine import LLMEngine, PromptType
+from .errors import EngineDeadError
+from .registry import Registry
+from .request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STEP_WAIT_S = 0.2  # the output thread's longest wait for the core, between shutdown checks
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    """Concurrent requests over one engine core; see the module docstring.
+
+    ``engine.core`` must be a client (core/core_client.py): the output thread steps it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._dead: EngineDeadError | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._output_loop, name="pagebatch-output",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True,
+                    registry: Registry | None = None) -> "AsyncEngine":
+        """Build the front half here and the core in its own process (``multiprocess``, for
+        serving) or on this engine's output thread. Raises the core's startup errors with
+        their own types (ModelNotFoundError, ConfigError, CacheTooSmallError, ...)."""
+        return cls(LLMEngine(config, registry, core=client_factory(multiprocess)))
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and queue one request; returns an async iterator of its `RequestOutput`s
+        (one per step with new tokens; the last has ``finished``, and on a core failure
+        ``error`` and finish reason ``error``).
+
+        Raises InvalidRequestError subclasses before anything is queued, EngineDeadError when
+        the core is gone. Leaving the iteration early (break, cancellation) aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self.check_health()
+            core_req, state = self.engine.prepare(prompt, params, request_id)
+            rid = core_req.request_id
+            stream = _Stream(loop, asyncio.Queue())
+            self._streams[rid] = stream
+            try:
+                self.engine.submit(core_req, state)
+            except BaseException:
+                del self._streams[rid]
+                raise
+        return self._iterate(rid, stream.queue)
+
+    async def _iterate(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the caller stopped listening: free the request's blocks
+                self._abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with finish reason ``abort`` and the core frees its
+        KV cache blocks. Unknown and finished ids are ignored."""
+        self._abort(request_id)
+
+    def _abort(self, rid: str) -> None:
+        with self._lock:
+            if self._dead is not None or rid not in self._streams:
+                return
+            try:
+                outputs = self.engine.abort_request([rid])  # a client answers through step
+            except EngineDeadError:
+                return  # the output thread fails every stream
+            for out in outputs:
+                self._deliver(out)
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the core is gone or the engine was shut down."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+
+    # ---- the output thread --------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        core = self.engine.core
+        while not self._stopping.is_set():
+            try:
+                outputs = core.step(timeout=_STEP_WAIT_S)
+                if not outputs:
+                    continue
+                with self._lock:
+                    for out in self.engine.process_outputs(outputs):
+                        self._deliver(out)
+            except EngineDeadError as e:
+                self._fail_all(e)
+                return
+            except Exception as e:  # a bug here would leave every caller waiting forever
+                logger.exception("the engine's output loop failed")
+                self._fail_all(EngineDeadError(f"the engine's output loop failed: "
+                                               f"{type(e).__name__}: {e}"))
+                return
+
+    def _deliver(self, out: RequestOutput) -> None:
+        """Hand ``out`` to its stream (call with the lock held)."""
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:  # its event loop is closed: nobody is listening
+            pass
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = error
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                 EngineDeadError(str(error)))
+            except RuntimeError:
+                pass
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the output thread and the core (its process too). Open streams raise
+        EngineDeadError. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.shutdown)  # joins threads and a process: off the loop

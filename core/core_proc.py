@@ -1,0 +1,154 @@
+"""The engine core's busy loop, and the main of the engine core's own process.
+
+`CoreBusyLoop` owns one `EngineCore` and an inbox of plain-data messages (`EngineCoreRequest`,
+`EngineCoreAbort`, `EngineCoreShutdown`). Each turn applies every waiting message, runs one step
+when there is work and returns the outputs of both; with no work it blocks on the inbox. The same
+loop runs in the front half's process (`InprocClient`, stepped by `AsyncEngine`'s output thread)
+and in a process of its own (`run_engine_core`), as vLLM v1's EngineCoreProc does.
+
+The process talks to `MPClient` (core/core_client.py) over two one-way pipes of pickled objects:
+
+- front -> core: `EngineCoreRequest` | `EngineCoreAbort` | `EngineCoreShutdown`, read by a
+  thread into the inbox (so the front half's sends never wait for a step);
+- core -> front: ``("ready", info)`` once, or ``("startup_error", exc, traceback)`` and exit;
+  then ``("outputs", [EngineCoreOutput, ...])`` per turn that has outputs, and
+  ``("error", exc, traceback)`` before exiting on an unexpected error.
+
+The process exits on `EngineCoreShutdown`, and when the front half dies or closes its end: the
+input thread sees EOF on its pipe (or the parent pid change) and shuts the loop down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from typing import Any
+
+from .config import EngineConfig
+from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
+                          EngineCoreShutdown)
+from .registry import registry
+from .request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+_PARENT_CHECK_S = 1.0  # how often the input thread checks that the front half still lives
+
+
+class CoreBusyLoop:
+    """An `EngineCore` driven by messages; only the thread calling `run_once` touches the core.
+
+    ``inbox`` is thread-safe: any thread may put messages into it.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.stopped = False
+
+    def run_once(self, timeout: float | None = None) -> list[EngineCoreOutput]:
+        """Apply the waiting messages, waiting up to ``timeout`` seconds (None: forever) for one
+        while the core has no work; then run one step if there is work. Returns the outputs of
+        the aborts and of the step."""
+        outputs: list[EngineCoreOutput] = []
+        try:
+            if self.core.has_unfinished_requests:
+                msg = self.inbox.get_nowait()
+            else:
+                msg = self.inbox.get(timeout=timeout)
+            while True:
+                outputs.extend(self._apply(msg))
+                msg = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if not self.stopped and self.core.has_unfinished_requests:
+            outputs.extend(self.core.step())
+        return outputs
+
+    def _apply(self, msg: Any) -> list[EngineCoreOutput]:
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                self.core.add_request(msg)
+            except Exception as e:  # one bad request must not stop the loop
+                logger.exception("adding request %r failed", msg.request_id)
+                return [EngineCoreOutput(msg.request_id, [], FinishReason.ERROR.value,
+                                         f"{type(e).__name__}: {e}")]
+            return []
+        if isinstance(msg, EngineCoreAbort):
+            return self.core.abort_requests(msg.request_ids)
+        if isinstance(msg, EngineCoreShutdown):
+            self.stopped = True
+            return []
+        raise TypeError(f"the engine core got a {type(msg).__name__}; it takes "
+                        f"EngineCoreRequest, EngineCoreAbort or EngineCoreShutdown")
+
+
+def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
+                    parent_pid: int, log_level: int = logging.WARNING) -> None:
+    """Main of the engine core process (started by `MPClient` with the "spawn" context).
+
+    Loads plugins (the process-wide registry, from entry points), builds the core, reports
+    ``ready`` or the startup error, then runs the busy loop until shut down. ``log_level`` is
+    the front half's level for the ``pagebatch`` loggers.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front half's to handle
+    logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
+    logging.getLogger("pagebatch").setLevel(log_level)
+    try:
+        core = EngineCore.from_config(config, registry())
+    except BaseException as e:  # typed errors go back to the front half as they are
+        _send_error(output_conn, "startup_error", e)
+        return
+    loop = CoreBusyLoop(core)
+    threading.Thread(target=_read_inputs, args=(input_conn, loop.inbox, parent_pid),
+                     name="pagebatch-core-input", daemon=True).start()
+    try:
+        output_conn.send(("ready", {"pid": os.getpid(), "num_kv_blocks": core.kv_cache.num_blocks,
+                                    "max_model_len": core.max_model_len}))
+        while not loop.stopped:
+            outputs = loop.run_once()
+            if outputs:
+                output_conn.send(("outputs", outputs))
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass  # the front half is gone: nobody to report to
+    except BaseException as e:
+        logger.exception("the engine core loop failed")
+        _send_error(output_conn, "error", e)
+        raise SystemExit(1) from None
+    finally:
+        core.shutdown()
+
+
+def _read_inputs(conn: Any, inbox: queue.SimpleQueue[Any], parent_pid: int) -> None:
+    """Move messages from the pipe to the inbox; on EOF or when the parent is gone (this process
+    was re-parented), tell the loop to shut down."""
+    try:
+        while True:
+            if not conn.poll(_PARENT_CHECK_S):
+                if os.getppid() != parent_pid:
+                    break
+                continue
+            msg = conn.recv()
+            inbox.put(msg)
+            if isinstance(msg, EngineCoreShutdown):
+                return
+    except (EOFError, OSError):
+        pass
+    inbox.put(EngineCoreShutdown())
+
+
+def _send_error(conn: Any, kind: str, e: BaseException) -> None:
+    tb = traceback.format_exc()
+    try:  # the front half re-raises the same type; make sure it survives the trip
+        pickle.loads(pickle.dumps(e))
+    except Exception:
+        e = RuntimeError(f"{type(e).__name__}: {e}")
+    try:
+        conn.send((kind, e, tb))
+    except OSError:
+        pass

@@ -1,0 +1,58 @@
+"""RMSNorm with the residual add fused in: one pass over x (and residual) per row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's x + r
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    y = (xf * rstd).to(x.dtype)  # Hugging Face's order: normalise, cast, then scale
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs,
+             (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """x (and residual): [..., hidden] fp16/bf16/fp32; weight: [hidden] in x's dtype.
+    Returns norm(x) * weight, or with ``residual`` (norm(x + residual) * weight, x + residual),
+    new tensors of x's shape and dtype."""
+    shape = x.shape
+    x2 = _rows(x)
+    n_rows, n = x2.shape
+    out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    if residual is None:
+        if n_rows:
+            _rms_norm_kernel[(n_rows,)](x2, x2, weight, out, out, n, eps, x2.stride(0), 0,
+                                        out.stride(0), 0, HAS_RESIDUAL=False, BLOCK=block,
+                                        num_warps=warps)
+        return out.view(shape)
+    r2 = _rows(residual)
+    res_out = torch.empty_like(out)
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](x2, r2, weight, out, res_out, n, eps, x2.stride(0),
+                                    r2.stride(0), out.stride(0), res_out.stride(0),
+                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+    return out.view(shape), res_out.view(shape)

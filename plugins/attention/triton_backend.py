@@ -1,0 +1,179 @@
+"""``triton``: paged attention in Triton kernels, the default attention backend on CUDA.
+
+Kernels in triton_kernels.py (imported on first use, so that loading this plugin costs no Triton
+import and ``TRITON_INTERPRET`` is read only by whoever runs the kernels). KV layout: the default
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Any block size, any GQA group, head_dim
+up to 256 (tiles are padded to a power of two and masked). fp16/bf16/fp32 caches; the cache
+dtype is the query dtype (fp8 KV with scales is for the quantization issue).
+
+On CPU the backend runs only under ``TRITON_INTERPRET=1`` (tests on tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagebatch.attention import AttentionBackend, AttentionMetadata
+from pagebatch.hookspecs import hookimpl
+
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256  # context positions a split-KV program reads at least
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one paged-attention launch. ``block_m`` rows = ``block_m // G`` tokens x G
+    query heads; ``tile_n`` keys per inner step; ``num_splits`` > 1 takes the split-KV path."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+                  num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> LaunchConfig:
+    """Tiles for a batch: 16-row tiles when every request has few new tokens (decodes), up to
+    128 rows for prefill chunks; split-KV when the batch's programs alone cannot fill the GPU
+    twice over and contexts are long enough to give each split MIN_TOKENS_PER_SPLIT keys."""
+    d_pad = max(_next_pow2(head_dim), 16)
+    big = d_pad > 128 or dtype == torch.float32
+    block_m = min(max(_next_pow2(max_query_len * group), 16), 64 if big else 128)
+    block_m = max(block_m, _next_pow2(group))
+    if device.type != "cuda":  # the interpreter: the smallest tiles run fastest; tests force splits
+        return LaunchConfig(block_m, 16, 4, 1)
+    # measured on an H200 (docs/benchmarks.md, scripts/bench_kernels.py --sweep)
+    if block_m <= 16:  # decode-like: memory bound; 64-key tiles, double-buffered
+        tile_n, warps, stages = (32 if d_pad > 128 else 64), 4, 2
+    elif block_m >= 128 and not big:  # long prefill chunks: 128 x 128 tiles
+        tile_n, warps, stages = 128, 8, 3
+    else:
+        tile_n, warps, stages = (32 if big else 64), (8 if big else 4), (2 if big else 3)
+    block_q = max(block_m // group, 1)
+    q_blocks = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
+    programs = q_blocks * num_kv_heads
+    target = 2 * _num_sms(device)
+    splits = 1
+    if programs < target:
+        splits = max(1, min(-(-target // programs), max_seq_len // MIN_TOKENS_PER_SPLIT,
+                            MAX_SPLITS))
+    return LaunchConfig(block_m, tile_n, warps, stages, splits)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
+    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (negative: skip the token)."""
+    from . import triton_kernels as tk
+
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    if key.stride(2) != 1 or key.stride(1) != d:
+        key = key.contiguous()
+    if value.stride(2) != 1 or value.stride(1) != d:
+        value = value.contiguous()
+    row = hkv * d
+    block = min(_next_pow2(row), 2048)
+    tk.write_kv_kernel[(t, -(-row // block))](
+        key, value, kv_cache[0], kv_cache[1], slot_mapping, key.stride(0), value.stride(0),
+        ROW=row, BLOCK=block, num_warps=4)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                    scale: float, config: LaunchConfig | None = None) -> torch.Tensor:
+    """Causal attention of the new tokens over their paged context.
+
+    query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_dim] in query's dtype. Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    ``config`` overrides the tile choice (benchmarks, tests). Raises ValueError for head_dim
+    above 256.
+    """
+    from . import triton_kernels as tk
+
+    t, hq, d = query.shape
+    _, _, block_size, hkv, d_cache = kv_cache.shape
+    if d > MAX_HEAD_DIM or d != d_cache:
+        raise ValueError(f"head_dim={d} (cache {d_cache}): the triton backend supports "
+                         f"head_dim up to {MAX_HEAD_DIM}, equal in query and cache")
+    group = hq // hkv
+    out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)
+    if t == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    cfg = config or choose_config(t, metadata.num_seqs, metadata.max_query_len,
+                                  metadata.max_seq_len, hkv, group, d, query.dtype, query.device)
+    block_q = max(cfg.block_m // group, 1)
+    num_q_blocks = t // block_q + metadata.num_seqs
+    d_pad = max(_next_pow2(d), 16)
+    splits = cfg.num_splits
+    if splits > 1:
+        part_acc = torch.empty((t, hq, splits, d_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((t, hq, splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    tk.paged_attention_kernel[(num_q_blocks, hkv, splits)](
+        out, query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, part_acc, part_ml,
+        metadata.num_seqs, num_q_blocks, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        metadata.block_tables.stride(0),
+        NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block_h = min(_next_pow2(hq), 16 if d_pad <= 128 else 8)
+        tk.reduce_splits_kernel[(t, -(-hq // block_h))](
+            out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
+            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"it runs Triton kernels, which need a CUDA device (device is "
+                    f"{device.type!r}; TRITON_INTERPRET=1 runs them on the CPU, for tests)")
+        if dtype not in _DTYPES:
+            return f"dtype {dtype} is not supported; supported: float16, bfloat16, float32"
+        return None
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, metadata: AttentionMetadata, scale):
+        return paged_attention(query, kv_cache, metadata, scale)
+
+
+@hookimpl
+def register_attention_backends(register):
+    register("triton", TritonBackend)

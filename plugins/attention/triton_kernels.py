@@ -1,0 +1,233 @@
+"""Triton kernels of the ``triton`` attention backend: write K/V by slot mapping, and paged
+attention over block tables for a mixed prefill/decode batch, with an optional split-KV
+(flash-decoding) pass and its reduction.
+
+Layout (the backend's ``kv_cache_shape``): ``k_cache``/``v_cache`` are the two halves of
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``, so slot ``s``, kv head ``h`` starts at
+element ``s * num_kv_heads * head_dim + h * head_dim``.
+
+The attention kernel follows FlashAttention-2 (Dao 2023: online softmax over key tiles, one pass)
+with PagedAttention's block tables (Kwon et al. 2023); the grid walks "query blocks" the way vLLM's
+Triton ``unified_attention`` does: each program owns ``BLOCK_Q`` consecutive new tokens of one
+request times the ``G = num_heads / num_kv_heads`` query heads that share one kv head, so a
+``BLOCK_M = BLOCK_Q * G`` row tile reads each K/V tile once for the whole GQA group. Program ``p``
+of request ``i`` exists for ``query_start_loc[i] // BLOCK_Q + i <= p``; a binary search over
+``query_start_loc`` finds ``i`` on the device (no host work per step). With ``NUM_SPLITS > 1``
+the context is cut into that many ranges (Flash-Decoding, Dao et al. 2023) and each program
+writes an unnormalised partial result that ``_reduce_splits`` merges.
+
+Masking: keys at positions ``>= seq_len`` are loaded as 0 (the cache there may hold NaN) and
+scored ``-inf``; row maxima start at a finite ``-1e30`` so that a row with no key in a tile or a
+split never computes ``inf - inf``.
+
+Import this module only where Triton is wanted: ``TRITON_INTERPRET=1`` is read when the kernels
+are decorated, at import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_vt,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim: elements of one token's K (or V)
+    BLOCK: tl.constexpr,
+):
+    """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    dst = slot * ROW + offs
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The request owning query block ``pid``: the last i with qsl[i] // BLOCK_Q + i <= pid."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, lo, hi, stride_slot, offs_d,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys lo .. hi-1 (lo a multiple of TILE_N). Unmasked tiles (every row
+    sees every key, all keys < seq_len) skip the masks."""
+    offs_n = tl.arange(0, TILE_N)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, TILE_N):
+        pos = start_n + offs_n
+        if BLOCK_SIZE % TILE_N == 0:  # the tile lies inside one cache block
+            blk = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
+            slot = blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + offs_n
+        else:
+            if MASKED:
+                blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < seq_len, other=0)
+            else:
+                blk = tl.load(bt_row + pos // BLOCK_SIZE)
+            slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+        if MASKED:
+            kv_mask = (pos < seq_len)[:, None] & d_ok[None, :]
+            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_base + kv_off, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + kv_off)
+            v = tl.load(v_base + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < seq_len)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, part_acc_ptr, part_ml_ptr,
+    num_seqs, num_q_blocks, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
+    num_seqs (an upper bound: programs past a request's last query block return at once).
+
+    NUM_SPLITS == 1 writes out [num_tokens, num_heads, head_dim]; otherwise part_acc
+    [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
+    [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps).
+    """
+    # the heaviest query blocks (late in a long prompt) first: a shorter causal tail
+    pid = num_q_blocks - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_block = pid - (q_begin // BLOCK_Q + seq)
+    q_first = q_block * BLOCK_Q  # first new token of this program, within the request
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens cached before this step
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_idx = q_first + offs_m // G
+    head = kvh * G + offs_m % G
+    row_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx_len + q_idx
+
+    # keys [0, kv_end) are needed; [0, first_pos] are visible to every row of the tile
+    last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    kv_end = ctx_len + last + 1
+    full_end = ctx_len + q_first + 1
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_end)
+    mid = tl.maximum(lo, tl.minimum(hi, full_end) // TILE_N * TILE_N)
+
+    stride_slot = NUM_KV_HEADS * HEAD_DIM
+    k_base = k_cache_ptr + kvh * HEAD_DIM
+    v_base = v_cache_ptr + kvh * HEAD_DIM
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, lo, mid, stride_slot, offs_d,
+        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, mid, hi, stride_slot, offs_d,
+        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        row = (tok * (NUM_KV_HEADS * G) + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid (num_tokens, cdiv(num_heads, BLOCK_H)): merges the NUM_SPLITS partial softmaxes of
+    BLOCK_H heads of one token."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    h_ok = offs_h < num_heads
+    row0 = (t * num_heads + offs_h) * NUM_SPLITS
+    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (row0 + s) * 2, mask=h_ok, other=-1.0e30)
+        l_s = tl.load(part_ml_ptr + (row0 + s) * 2 + 1, mask=h_ok, other=0.0)
+        a_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                      mask=h_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        l = l * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :])

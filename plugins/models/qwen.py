@@ -1,0 +1,75 @@
+"""The Qwen family: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5) and ``Qwen3ForCausalLM`` (dense Qwen3).
+
+Both are Llama's layers with two changes in attention: Qwen2 has a bias on the q/k/v projections
+(none on o_proj); Qwen3 has no bias but RMS-normalizes each head of q and k (a weight of
+``head_dim``) before rotary, and takes ``head_dim`` from config.json rather than
+hidden_size / num_attention_heads (Qwen3 technical report, Yang et al. 2025; transformers'
+``Qwen3Attention``). Long-context Qwen configs use YaRN rope scaling (core/layers/rotary.py).
+
+A sliding window is only in effect when ``use_sliding_window`` is true, and then only on layers
+``max_window_layers`` and up; as for Mistral, max_model_len is limited to the window then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagebatch.hookspecs import hookimpl
+from pagebatch.layers.context import ModelContext
+from pagebatch.layers.norm import RMSNorm
+
+from pagebatch.plugins.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+def _sliding_window_limit(hf_config) -> int | None:
+    """The window if any layer of a Qwen config attends over one, else None."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", False) or not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        windowed = "sliding_attention" in layer_types
+    else:  # transformers < 5 has no layer_types: layers >= max_window_layers use the window
+        first = getattr(hf_config, "max_window_layers", 0)
+        windowed = first < hf_config.num_hidden_layers
+    return int(window) if windowed else None
+
+
+class Qwen2Attention(LlamaAttention):
+    @staticmethod
+    def projection_biases(cfg) -> tuple[bool, bool]:
+        """Qwen2: bias on q/k/v, none on o_proj."""
+        return True, False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention
+
+    @classmethod
+    def max_model_len_limit(cls, hf_config) -> int | None:
+        return _sliding_window_limit(hf_config)
+
+
+class Qwen3Attention(LlamaAttention):
+    """Qwen3 attention: per-head RMSNorm of q and k (``q_norm``, ``k_norm``, weight [head_dim])
+    applied before rotary."""
+
+    def __init__(self, cfg, ctx: ModelContext):
+        super().__init__(cfg, ctx)
+        eps = cfg.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
+        self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, head_dim], k: [T, Hkv, head_dim] -> each head RMS-normalized."""
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    attention_cls = Qwen3Attention
+
+
+@hookimpl
+def register_models(register):
+    register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+    register("Qwen3ForCausalLM", Qwen3ForCausalLM)
