@@ -67,7 +67,8 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                          request_id: str | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Validate and queue one request; returns an async iterator of its `RequestOutput`s
         (one per step with new tokens; the last has ``finished``, and on a core failure
         ``error`` and finish reason ``error``).
@@ -78,7 +79,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         with self._lock:
             self.check_health()
-            core_req, state = self.engine.prepare(prompt, params, request_id)
+            core_req, state = self.engine.prepare(prompt, params, request_id, priority)
             rid = core_req.request_id
             stream = _Stream(loop, asyncio.Queue())
             self._streams[rid] = stream

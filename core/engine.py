@@ -81,9 +81,14 @@ class LLMEngine:
         return SamplingParams().with_defaults(self.sampling_defaults)
 
     def prepare(self, prompt: PromptType, params: SamplingParams | None,
-                request_id: str | None = None) -> tuple[EngineCoreRequest, RequestState]:
+                request_id: str | None = None,
+                priority: int = 0) -> tuple[EngineCoreRequest, RequestState]:
         """Tokenize and validate; raises InvalidRequestError subclasses. Queues nothing.
 
+        ``prompt``: a string or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``), either
+        dict optionally with ``"cache_salt"`` (a string mixed into the prefix-cache hashes:
+        requests only share cached blocks with requests of the same salt). ``priority``: for
+        the ``priority`` policy, lower runs first.
         Returns the request for the core and the front half's state; `submit` sends it (as n
         core requests when ``params.n > 1``)."""
         if params is None:  # as vLLM: the model's generation_config only fills in a default
@@ -120,7 +125,13 @@ class LLMEngine:
                      if self.tokenizer else None)
             samples.append(SampleState(i, cid, seed, params, detok,
                                        self._decode_token if self.tokenizer else None))
-        core_req = EngineCoreRequest(rid, ids, params, self.eos_token_ids, seeds[0])
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        core_req = EngineCoreRequest(rid, ids, params, self.eos_token_ids, seeds[0],
+                                     priority=priority, cache_salt=salt)
         return core_req, RequestState(text, ids, params, samples)
 
     def _check_vocab(self, params: SamplingParams) -> None:
@@ -172,8 +183,8 @@ class LLMEngine:
         return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        core_req, state = self.prepare(prompt, params, request_id)
+                    request_id: str | None = None, priority: int = 0) -> str:
+        core_req, state = self.prepare(prompt, params, request_id, priority)
         self.submit(core_req, state)
         return core_req.request_id
 

@@ -36,11 +36,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}``. Every prompt is validated before
-        any is queued: a bad one raises its InvalidRequestError and nothing runs.
+        A prompt is a string or ``{"prompt_token_ids": [...]}``, a dict optionally with a
+        ``"cache_salt"``. ``priority``: one integer per prompt for the ``priority`` policy (lower
+        first). Every prompt is validated before any is queued: a bad one raises its
+        InvalidRequestError and nothing runs.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -52,7 +55,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"got {len(params)} sampling_params for "
                                           f"{len(prompts)} prompts; give one or one each")
-        prepared = [self.engine.prepare(p, sp) for p, sp in zip(prompts, params)]
+        prios = [0] * len(prompts) if priority is None else list(priority)
+        if len(prios) != len(prompts):
+            raise InvalidRequestError(f"got {len(prios)} priorities for {len(prompts)} prompts")
+        prepared = [self.engine.prepare(p, sp, priority=pr)
+                    for p, sp, pr in zip(prompts, params, prios)]
         for core_req, state in prepared:
             self.engine.submit(core_req, state)
         order = {core_req.request_id: i for i, (core_req, _) in enumerate(prepared)}

@@ -144,8 +144,16 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.config.gpu_memory_utilization) - peak
 
+    @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> None:
-        self.forward_scratch(list(range(num_tokens)), logits_rows=[num_tokens - 1])
+        """A step of ``num_tokens`` prompt tokens (sequences of at most max_model_len), logits
+        for up to max_num_seqs rows and a sort of them (the sampler's worst case)."""
+        n_max = self.max_model_len
+        lens = [n_max] * (num_tokens // n_max) + ([num_tokens % n_max] if num_tokens % n_max
+                                                   else [])
+        h = self._forward_scratch([list(range(n)) for n in lens])
+        rows = min(self.config.max_num_seqs, h.shape[0])
+        self.model.compute_logits(h[-rows:]).sort(dim=-1)
 
     @torch.inference_mode()
     def forward_scratch(self, token_ids: list[int],
@@ -153,19 +161,38 @@ class ModelRunner:
         """Logits of one sequence computed from scratch in a private KV cache (the engine's
         cache is untouched). Returns [len(logits_rows) or len(token_ids), vocab] fp32.
 
-        For tests that compare logits with another implementation, and for memory profiling.
+        For tests that compare logits with another implementation. Raises ValueError past
+        max_model_len.
         """
-        n = len(token_ids)
-        cache = torch.empty(self.attn_backend.kv_cache_shape(
-            -(-n // self.block_size), self.block_size, self.model.num_kv_heads,
-            self.model.head_dim), dtype=self.dtype, device=self.device)
-        meta = self._metadata(np.arange(n), [0, n], [n], [list(range(cache.shape[1]))])
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device) % self.vocab_size
-        pos = torch.arange(n, device=self.device)
-        h = self.model(ids, pos, [cache] * self.model.num_layers, meta)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len="
+                             f"{self.max_model_len}")
+        h = self._forward_scratch([token_ids])
         if logits_rows is not None:
             h = h[torch.tensor(logits_rows, device=self.device)]
         return self.model.compute_logits(h)
+
+    def _forward_scratch(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Hidden states [sum of lengths, hidden] of whole sequences in a private KV cache."""
+        bs = self.block_size
+        tables, slots, positions, qsl, offset = [], [], [], [0], 0
+        for s in seqs:
+            nb = -(-len(s) // bs)
+            table = list(range(offset, offset + nb))
+            offset += nb
+            pos = np.arange(len(s))
+            slots.append(np.asarray(table)[pos // bs] * bs + pos % bs)
+            positions.append(pos)
+            tables.append(table)
+            qsl.append(qsl[-1] + len(s))
+        cache = torch.empty(self.attn_backend.kv_cache_shape(
+            offset, bs, self.model.num_kv_heads, self.model.head_dim),
+            dtype=self.dtype, device=self.device)
+        meta = self._metadata(np.concatenate(slots), qsl, [len(s) for s in seqs], tables)
+        flat = [t for s in seqs for t in s]
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device) % self.vocab_size
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        return self.model(ids, pos, [cache] * self.model.num_layers, meta)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         need = -(-self.max_model_len // self.block_size)

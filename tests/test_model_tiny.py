@@ -134,3 +134,14 @@ def test_config_file_and_keywords(tiny_model_dir, tmp_path):
     assert llm.config.num_kv_blocks == 40 and llm.config.block_size == 8
     assert llm.config.max_num_seqs == 5  # the keyword (like the CLI) wins over the file
     assert llm.engine.core.scheduler.max_num_seqs == 5
+
+
+def test_profile_forward_longer_than_max_model_len(tiny_model_dir):
+    """The memory-profiling step covers the whole token budget in sequences of at most
+    max_model_len tokens (positions past max_model_len once read outside the rotary cache)."""
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=32,
+              max_num_batched_tokens=100)
+    runner = llm.engine.core.runner
+    runner._dummy_forward(100)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        runner.forward_scratch(list(range(40)))

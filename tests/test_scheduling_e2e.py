@@ -83,3 +83,30 @@ def test_hit_rate_approaches_the_shared_fraction(tiny_model_dir):
     _run(llm, prompts[1:], max_tokens=2)
     hit_rate = (stats.hits - h0) / (stats.queries - q0)
     assert hit_rate == pytest.approx(64 / 68)
+
+
+def test_priority_and_cache_salt_through_the_api(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cpu", block_size=BS, num_kv_blocks=128,
+              scheduling_policy="priority", max_num_seqs=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i] * 6} for i in range(3)]
+    engine = llm.engine
+    ids = [engine.add_request(p, sp, priority=pr) for p, pr in zip(prompts, (5, 0, 2))]
+    finished = []
+    while engine.has_unfinished_requests:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == [ids[1], ids[2], ids[0]]  # one at a time, lowest priority value first
+    shared = list(range(20, 40))
+    outs = llm.generate([{"prompt_token_ids": shared, "cache_salt": "a"},
+                         {"prompt_token_ids": shared, "cache_salt": "b"},
+                         {"prompt_token_ids": shared, "cache_salt": "a"}], sp,
+                        use_tqdm=False, priority=[0, 1, 2])
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    kv = llm.engine.core.kv_cache
+    # only the third request (same salt as the first) was served from the cache
+    assert kv.stats.hits == (len(shared) - 1) // BS * BS
+    import pytest as _pytest
+
+    from pagebatch.errors import InvalidRequestError
+    with _pytest.raises(InvalidRequestError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": [5], "cache_salt": 3}, sp, use_tqdm=False)
