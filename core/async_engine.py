@@ -20,11 +20,12 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from .config import EngineConfig
 from .core_client import client_factory
 from .engine import LLMEngine, PromptType
+from .engine_core import EngineCoreStats
 from .errors import EngineDeadError
 from .registry import Registry
 from .request import RequestOutput, SamplingParams
@@ -52,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._dead: EngineDeadError | None = None
         self._stopping = threading.Event()
+        self._stats_listeners: list[Callable[[EngineCoreStats], None]] = []
         self._thread = threading.Thread(target=self._output_loop, name="pagebatch-output",
                                         daemon=True)
         self._thread.start()
@@ -120,6 +122,16 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
 
+    def add_stats_listener(self, listener: Callable[[EngineCoreStats], None]) -> None:
+        """Call ``listener(stats)`` on the output thread with the core's `EngineCoreStats`
+        after every turn that had outputs (e.g. a metrics exporter; keep it short)."""
+        self._stats_listeners.append(listener)
+
+    @property
+    def core_stats(self) -> EngineCoreStats | None:
+        """The core's latest `EngineCoreStats` (None before its first outputs)."""
+        return self.engine.core.stats
+
     def check_health(self) -> None:
         """Raises EngineDeadError when the core is gone or the engine was shut down."""
         if self._dead is not None:
@@ -137,6 +149,7 @@ class AsyncEngine:
                 with self._lock:
                     for out in self.engine.process_outputs(outputs):
                         self._deliver(out)
+                self._report_stats(core.stats)
             except EngineDeadError as e:
                 self._fail_all(e)
                 return
@@ -145,6 +158,13 @@ class AsyncEngine:
                 self._fail_all(EngineDeadError(f"the engine's output loop failed: "
                                                f"{type(e).__name__}: {e}"))
                 return
+
+    def _report_stats(self, stats: EngineCoreStats | None) -> None:
+        for listener in self._stats_listeners if stats is not None else ():
+            try:
+                listener(stats)
+            except Exception:  # a broken exporter must not stop the engine
+                logger.exception("a stats listener raised; ignored")
 
     def _deliver(self, out: RequestOutput) -> None:
         """Hand ``out`` to its stream (call with the lock held)."""

@@ -20,7 +20,8 @@ from .config import EngineConfig
 
 
 def add_bench_parser(sub, add_engine_args, func) -> None:
-    b = sub.add_parser("bench", help="offline throughput / latency benchmarks")
+    b = sub.add_parser("bench", help="offline throughput / latency benchmarks; serve: "
+                       "load-test a server")
     bsub = b.add_subparsers(dest="bench_kind", required=True)
     for kind in ("throughput", "latency"):
         p = bsub.add_parser(kind)
@@ -41,6 +42,9 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
     add_engine_args(p)
     add_prefix_bench_args(p)
     p.set_defaults(func=func)
+    from .bench_serve import add_serve_bench_parser
+
+    add_serve_bench_parser(bsub)  # no engine keys: it drives a server at --base-url
 
 
 def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -42,7 +42,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     engine = LLMEngine(config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            stop=args.stop or None, seed=args.sampling_seed)
     for text in args.prompt:
         prompt = (engine.chat_prompt([{"role": "user", "content": text}]) if args.chat
                   else text)
@@ -89,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (--seed seeds the engine)")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_cmd_generate)
 

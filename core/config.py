@@ -138,7 +138,8 @@ class EngineConfig:
                       _choice(DTYPES), choices=DTYPES)
     max_model_len: int | None = _opt("max_model_len", None,
                                      "Longest sequence (prompt + output) in tokens; default: "
-                                     "the model's max_position_embeddings.", _optional(parse_int(1)))
+                                     "the model's max_position_embeddings.",
+                                     _optional(parse_int(1)))
     load_format: str = _opt("load_format", "auto", "auto, safetensors, gguf or dummy (random).",
                             _choice(LOAD_FORMATS), choices=LOAD_FORMATS)
     seed: int = _opt("seed", 0, "Seed of the engine's random stream (dummy weights, sampling).",
@@ -167,7 +168,8 @@ class EngineConfig:
     # scheduler
     scheduling_policy: str = _opt("scheduling_policy", "fcfs",
                                   "Scheduling policy plugin name (fcfs, ...).")
-    max_num_seqs: int = _opt("max_num_seqs", 256, "Most requests in one step's batch.", parse_int(1))
+    max_num_seqs: int = _opt("max_num_seqs", 256, "Most requests in one step's batch.",
+                             parse_int(1))
     max_num_batched_tokens: int | None = _opt(
         "max_num_batched_tokens", None,
         "Token budget of one step; default 8192 with chunked prefill, else "

@@ -26,7 +26,7 @@ from typing import Any
 from .config import EngineConfig
 from .core_proc import CoreBusyLoop, run_engine_core
 from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
-                          EngineCoreShutdown, ModelSetup)
+                          EngineCoreShutdown, EngineCoreStats, ModelSetup)
 from .errors import EngineDeadError
 from .registry import Registry
 
@@ -39,6 +39,9 @@ class EngineCoreClient(ABC):
 
     def __init__(self) -> None:
         self._unfinished: set[str] = set()
+        # The core's state after the turn whose outputs `step` returned last (None before any);
+        # each snapshot's per-request times are new, so read it once per `step`.
+        self.stats: EngineCoreStats | None = None
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -93,7 +96,10 @@ class InprocClient(EngineCoreClient):
     def _receive(self, timeout: float | None) -> list[EngineCoreOutput]:
         if self._closed or self._loop.stopped:
             raise EngineDeadError("the engine core was shut down")
-        return self._loop.run_once(timeout)
+        outputs = self._loop.run_once(timeout)
+        if outputs:
+            self.stats = self.core.stats()
+        return outputs
 
     def shutdown(self) -> None:
         """Call it when no thread is in `step` (a blocked `step` is woken up)."""
@@ -186,6 +192,7 @@ class MPClient(EngineCoreClient):
                 raise self._died() from None
             if msg is not None:
                 if msg[0] == "outputs":
+                    self.stats = msg[2]
                     return msg[1]
                 _, exc, tb = msg  # "error": the core's loop failed and the process exits
                 raise self._died(f"{type(exc).__name__}: {exc}\n{tb}")

@@ -11,7 +11,7 @@ The process talks to `MPClient` (core/core_client.py) over two one-way pipes of 
 - front -> core: `EngineCoreRequest` | `EngineCoreAbort` | `EngineCoreShutdown`, read by a
   thread into the inbox (so the front half's sends never wait for a step);
 - core -> front: ``("ready", info)`` once, or ``("startup_error", exc, traceback)`` and exit;
-  then ``("outputs", [EngineCoreOutput, ...])`` per turn that has outputs, and
+  then ``("outputs", [EngineCoreOutput, ...], EngineCoreStats)`` per turn that has outputs, and
   ``("error", exc, traceback)`` before exiting on an unexpected error.
 
 The process exits on `EngineCoreShutdown`, and when the front half dies or closes its end: the
@@ -113,7 +113,7 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
         while not loop.stopped:
             outputs = loop.run_once()
             if outputs:
-                output_conn.send(("outputs", outputs))
+                output_conn.send(("outputs", outputs, core.stats()))
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass  # the front half is gone: nobody to report to
     except BaseException as e:

@@ -52,6 +52,29 @@ class EngineCoreOutput:
 
 
 @dataclass
+class EngineCoreStats:
+    """A snapshot of the core after a turn (core -> front half, plain data), for metrics.
+
+    Gauges: num_running / num_waiting requests, kv_cache_usage (fraction of KV blocks in use,
+    0..1). Counters since the core started: num_preemptions, num_steps (engine steps),
+    prefix_cache_queries / prefix_cache_hits (prompt tokens looked up / found cached).
+    Per-request times (seconds) since the previous snapshot, one entry per request:
+    queue_times (arrival to first scheduled), prefill_times (first scheduled to first token),
+    decode_times (first token to finish)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    queue_times: list[float] = field(default_factory=list)
+    prefill_times: list[float] = field(default_factory=list)
+    decode_times: list[float] = field(default_factory=list)
+
+
+@dataclass
 class EngineCoreAbort:
     """Abort these requests (front half -> core). The core answers with an `EngineCoreOutput`
     of finish reason ``abort`` for each one it still had; unknown ids are ignored."""
@@ -136,6 +159,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
+        self._times = EngineCoreStats()  # only its per-request time lists are used
         tokens = num_blocks * config.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); maximum "
                     "concurrency at max_model_len=%d: %.2fx", num_blocks, config.block_size,
@@ -159,6 +183,15 @@ class EngineCore:
         afterwards."""
         self.scheduler.abort_requests(list(self.scheduler.requests))
         self.runner.kv_caches = []
+
+    def stats(self) -> EngineCoreStats:
+        """The core's state now, and the per-request times recorded since the last call."""
+        sched, times = self.scheduler, self._times
+        self._times = EngineCoreStats()
+        return EngineCoreStats(
+            len(sched.running), len(sched.waiting), self.kv_cache.usage,
+            sched.stats.num_preemptions, sched.stats.num_steps, self.kv_cache.stats.queries,
+            self.kv_cache.stats.hits, times.queue_times, times.prefill_times, times.decode_times)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -197,6 +230,12 @@ class EngineCore:
         """Schedule, execute, sample, update. A failure of the model step finishes the requests
         of that step with reason ``error``; the engine goes on with the others."""
         so = self.scheduler.schedule()
+        now = time.monotonic()
+        for sr in so.scheduled:
+            req = self.scheduler.requests.get(sr.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self._times.queue_times.append(now - req.arrival_time)
         rejected = self._drain_rejected()
         try:
             sampled = self.runner.execute(so)
@@ -210,7 +249,9 @@ class EngineCore:
                     for r in reqs]
         outputs = rejected
         lps, prompt_lps = self.runner.step_logprobs, self.runner.step_prompt_logprobs
+        now = time.monotonic()
         for req, new in self.scheduler.update_from_output(so, sampled):
+            self._record_times(req, now)
             reason = req.finish_reason.value if req.is_finished else None
             outputs.append(EngineCoreOutput(req.request_id, new, reason,
                                             logprobs=lps.get(req.request_id),
@@ -219,3 +260,12 @@ class EngineCore:
             if rid in self.scheduler.requests:
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
         return outputs
+
+    def _record_times(self, req: Request, now: float) -> None:
+        """Prefill time at a request's first token, decode time when it finishes."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if req.first_scheduled_time is not None:
+                self._times.prefill_times.append(now - req.first_scheduled_time)
+        if req.is_finished:
+            self._times.decode_times.append(now - req.first_token_time)

@@ -56,8 +56,9 @@ def register_models(register):
     """Register model classes: ``register(hf_architecture_name, cls)``.
 
     The key is an entry of ``architectures`` in a Hugging Face config.json, e.g.
-    ``"LlamaForCausalLM"``. ``cls(hf_config, ctx: pagebatch.layers.context.ModelContext)`` must follow the model
-    interface described in docs/plugins.md (``forward``, ``compute_logits``, ``load_weights``).
+    ``"LlamaForCausalLM"``. ``cls(hf_config, ctx: pagebatch.layers.context.ModelContext)`` must
+    follow the model interface described in docs/plugins.md (``forward``, ``compute_logits``,
+    ``load_weights``).
     """
 
 

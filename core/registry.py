@@ -177,7 +177,7 @@ class Registry:
         return sorted(self._components[kind])
 
     def get(self, kind: str, name: str) -> Any:
-        """The component of ``kind`` registered as ``name``; raises PluginError naming the choices."""
+        """The component of ``kind`` named ``name``; raises PluginError naming the choices."""
         found = self._components[kind].get(name)
         if found is not None:
             return found[0]

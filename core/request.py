@@ -194,6 +194,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     skip_prefix_cache: bool = False  # e.g. prompt logprobs need every prompt position computed
+    first_scheduled_time: float | None = None  # time.monotonic(), for queue-time metrics
+    first_token_time: float | None = None  # time.monotonic() of the first sampled token
 
     @property
     def num_prompt_tokens(self) -> int:

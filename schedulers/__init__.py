@@ -1,1 +1,1 @@
-"""Built-in scheduling policies; each module is a plugin listed in the ``pagebatch`` entry points."""
+"""Built-in scheduling policies; each module is a plugin in the ``pagebatch`` entry points."""

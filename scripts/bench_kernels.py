@@ -62,7 +62,7 @@ def ceilings() -> tuple[float, float]:
     n = 2 * 2**30  # 2 GiB each way
     a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
     b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a), 10, 100)
+    ms = bench(lambda: b.copy_(a), 10, 100)  # noqa: F821 (called before the del below)
     bw = 2 * n / ms / 1e9  # TB/s, bytes read + written
     del a, b
     x = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
@@ -134,7 +134,7 @@ def decode(copy_bw: float, sweep: bool) -> None:
                                         tb.LaunchConfig(16, tile_n, warps, stages, splits)))
         for name, cfg in configs:
             try:
-                ms = bench(lambda: tb.paged_attention(q, cache, meta, scale, cfg))
+                ms = bench(lambda: tb.paged_attention(q, cache, meta, scale, cfg))  # noqa: F821
             except Exception as e:  # a sweep config may not fit in shared memory
                 print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
                 continue
@@ -143,7 +143,7 @@ def decode(copy_bw: float, sweep: bool) -> None:
                 f"{cfg.num_stages}/x{cfg.num_splits})", ms, TBps=tbps,
                 pct_copy=100 * tbps / copy_bw)
         if batch == 64 and bs == 16:
-            ms = bench(lambda: TorchRefBackend().forward(q, cache, meta, scale), 5, 50)
+            ms = bench(lambda: TorchRefBackend().forward(q, cache, meta, scale), 5, 50)  # noqa: F821
             row("decode", f"b{batch} ctx{ctx} bs{bs} torch_ref", ms,
                 TBps=kv_bytes / ms / 1e9)
         del q, cache, meta

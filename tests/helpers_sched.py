@@ -74,8 +74,10 @@ class FakeRunner:
     """
 
     def __init__(self, block_size: int,
-                 next_token: Callable[[str, list[int]], int] = default_next_token) -> None:
+                 next_token: Callable[[str, list[int]], int] = default_next_token,
+                 shared_reads: bool = False) -> None:
         self.block_size = block_size
+        self.shared_reads = shared_reads  # prefix caching: reading another request's slot is OK
         self.next_token = next_token
         self.slots: dict[int, tuple[str, int, int]] = {}
         self.steps: list[SchedulerOutput] = []
@@ -95,6 +97,8 @@ class FakeRunner:
             seq = []
             for pos in range(sr.start_pos + len(sr.token_ids)):
                 owner, p, tok = self.slots[slot_of(sr.block_ids, pos, bs)]
+                if self.shared_reads:
+                    owner = sr.request_id
                 assert (owner, p) == (sr.request_id, pos), (
                     f"{sr.request_id} pos {pos} reads a slot written by {owner} pos {p}")
                 seq.append(tok)

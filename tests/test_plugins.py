@@ -18,7 +18,6 @@ from pagebatch import hookspecs
 from pagebatch.cli import main as cli_main
 from pagebatch.config import ConfigOption
 import tomllib
-from pathlib import Path
 
 from pagebatch.errors import DuplicatePluginError, PluginError
 from pagebatch.hookspecs import hookimpl
@@ -30,7 +29,10 @@ from pagebatch.scheduler import Scheduler, SchedulingPolicy
 _PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
 BUILTINS = set(_PYPROJECT["project"]["entry-points"]["pagebatch"])
 BUILTIN_POLICIES = ["fcfs", "lpm", "priority"]
-BUILTIN_OPTIONS = {"lpm_fcfs_threshold", "lpm_max_wait"}
+BUILTIN_OPTIONS = {"lpm_fcfs_threshold", "lpm_max_wait",  # lpm; then the http frontend's
+                   "host", "port", "api_key", "served_model_name", "max_request_body_bytes",
+                   "max_prompts_per_request", "max_n_per_request", "allowed_origins",
+                   "shutdown_timeout"}
 KNOWN_PROVIDES = {
     "fcfs": {"scheduling_policy": ["fcfs"]},
     "fp16": {"quant_method": ["fp16"]},
@@ -256,8 +258,8 @@ def test_unknown_name_lists_registered_names():
     with pytest.raises(PluginError, match=r"no model named 'GPT2LMHeadModel'; "
                                           r"registered: \[.*'LlamaForCausalLM'.*\]"):
         reg.model_class("GPT2LMHeadModel")
-    with pytest.raises(PluginError, match="registered: \\[\\]"):
-        reg.frontend("serve")
+    with pytest.raises(PluginError, match="no frontend named 'grpc'; registered: \\['serve'\\]"):
+        reg.frontend("grpc")
 
 
 # ---- validation ---------------------------------------------------------------------------------

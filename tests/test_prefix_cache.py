@@ -11,35 +11,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers_sched import (FakeRunner, check_block_invariants, default_next_token,
-                           make_request, reference_outputs, slot_of)
+from helpers_sched import FakeRunner, check_block_invariants, make_request, reference_outputs
 from pagebatch.kv_cache import KVCacheManager, extend_block_hashes, hash_block
 from pagebatch.scheduler import Scheduler
 from pagebatch.schedulers.fcfs import FCFSPolicy
 
 
-class SharedCacheRunner(FakeRunner):
-    """Like FakeRunner, but a request may read slots another request wrote (a cache hit), as
+def SharedCacheRunner(block_size: int) -> FakeRunner:
+    """A FakeRunner where a request may read slots another request wrote (a cache hit), as
     long as the slot holds the same position."""
-
-    def execute(self, so):
-        self.steps.append(so)
-        bs = self.block_size
-        for sr in so.scheduled:
-            for i, tok in enumerate(sr.token_ids):
-                pos = sr.start_pos + i
-                self.slots[slot_of(sr.block_ids, pos, bs)] = (sr.request_id, pos, tok)
-        out = {}
-        for sr in so.scheduled:
-            if not sr.sample:
-                continue
-            seq = []
-            for pos in range(sr.start_pos + len(sr.token_ids)):
-                _, p, tok = self.slots[slot_of(sr.block_ids, pos, bs)]
-                assert p == pos
-                seq.append(tok)
-            out[sr.request_id] = self.next_token(sr.request_id, seq)
-        return out
+    return FakeRunner(block_size, shared_reads=True)
 
 
 def make_sched(num_blocks, block_size, *, caching=True, chunked=False, budget=1024,

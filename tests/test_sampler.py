@@ -184,7 +184,7 @@ def test_min_tokens_masks_every_eos_id_and_stop_token_id():
         sp = SamplingParams(temperature=temp, min_tokens=3, stop_token_ids=stop, seed=1)
         ss = _states(vocab, [sp], [prompt], eos=eos)
         for n_out in range(3):
-            for rep in range(50):  # different draws: positions differ per draw
+            for _ in range(50):  # different draws: positions differ per draw
                 out, _ = _sample(ss, logits, [len(prompt) + n_out])
                 assert int(out.token_ids[0]) not in banned
                 ss.states["r0"].seed += 1

@@ -1,0 +1,80 @@
+"""The ``http`` frontend plugin: an OpenAI-compatible HTTP server (starlette + uvicorn),
+started by ``pagebatch serve [MODEL] [--config FILE] [--host H] [--port P] ...``.
+
+Its options (below) are config keys like the engine's: on the command line, or in the YAML file
+(CLI > file > defaults); values land in ``EngineConfig.plugin_options``. starlette, uvicorn and
+prometheus-client are imported only when the server runs, so loading this plugin costs nothing
+elsewhere. See docs/serving.md and docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pagebatch import hookimpl
+from pagebatch.config import ConfigOption, EngineConfig, parse_int
+
+
+def _parse_optional_str(v: Any) -> str | None:
+    return None if v is None or v == "" else str(v)
+
+
+def _parse_origins(v: Any) -> list[str]:
+    """A list of origins, or a comma-separated string of them (``*`` allows any)."""
+    if v is None:
+        return []
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    return [str(o).strip() for o in items if str(o).strip()]
+
+
+def _parse_seconds(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a number of seconds")
+    x = float(v)
+    if not x >= 0:
+        raise ValueError("must be >= 0")
+    return x
+
+
+OPTIONS = [
+    ConfigOption("host", "127.0.0.1", "address the HTTP server listens on", str),
+    ConfigOption("port", 8000, "TCP port the HTTP server listens on", parse_int(0)),
+    ConfigOption("api_key", None, "key clients must send as 'Authorization: Bearer KEY' on "
+                 "/v1/* (default: $PAGEBATCH_API_KEY; none = no check)", _parse_optional_str),
+    ConfigOption("served_model_name", None, "model name the API answers to (default: the "
+                 "model key)", _parse_optional_str),
+    ConfigOption("max_request_body_bytes", 16 * 2**20, "largest request body accepted "
+                 "(413 above)", parse_int(1)),
+    ConfigOption("max_prompts_per_request", 256, "most prompts in one /v1/completions "
+                 "request", parse_int(1)),
+    ConfigOption("max_n_per_request", 128, "largest n (samples per prompt) accepted",
+                 parse_int(1)),
+    ConfigOption("allowed_origins", [], "CORS origins allowed (comma-separated; empty = CORS "
+                 "off)", _parse_origins),
+    ConfigOption("shutdown_timeout", 30.0, "seconds running requests get to finish on "
+                 "SIGTERM before they are aborted", _parse_seconds),
+]
+
+
+class HttpFrontend:
+    help = "OpenAI-compatible HTTP server (starlette + uvicorn)"
+
+    def add_cli_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Nothing beyond the config keys in OPTIONS (added with the engine keys)."""
+
+    def run(self, config: EngineConfig, args: argparse.Namespace | None = None) -> int:
+        from .server import serve
+
+        return serve(config)
+
+
+@hookimpl
+def register_frontends(register):
+    register("serve", HttpFrontend())
+
+
+@hookimpl
+def register_config_options(register):
+    for opt in OPTIONS:
+        register(opt)

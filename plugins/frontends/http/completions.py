@@ -1,0 +1,296 @@
+"""POST /v1/completions and /v1/chat/completions: parse, queue (every input error is a 400
+before anything is sent), then answer in one body or as server-sent events."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagebatch.request import CompletionOutput, RequestOutput
+
+from . import protocol as proto
+
+if TYPE_CHECKING:
+    from .server import Server
+
+
+class _Tracker:
+    """Per-request latency metrics (TTFT, ITL, e2e) and token counts as outputs arrive."""
+
+    def __init__(self, server: "Server", n_requests: int) -> None:
+        self.m = server.metrics
+        self.t0 = time.monotonic()
+        self.last: list[float | None] = [None] * n_requests
+        self.finals: list[RequestOutput | None] = [None] * n_requests
+
+    def seen(self, i: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if any(c.token_ids for c in out.outputs):
+            if self.last[i] is None:
+                self.m.ttft.observe(now - self.t0)
+            else:
+                self.m.itl.observe(now - self.last[i])
+            self.last[i] = now
+        if out.finished:
+            self.finals[i] = out
+            reason = out.outputs[0].finish_reason or "abort"
+            self.m.request_done(len(out.prompt_token_ids),
+                                sum(len(c.token_ids) for c in out.outputs), reason, now - self.t0)
+
+    def close(self, prompt_lens: list[int]) -> None:
+        """Requests that never finished (client gone, error): count them as aborted."""
+        now = time.monotonic()
+        for i, f in enumerate(self.finals):
+            if f is None:
+                self.m.request_done(prompt_lens[i], 0, "abort", now - self.t0)
+
+
+class Completions:
+    def __init__(self, server: "Server") -> None:
+        self.s = server
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        from .server import as_api_error, error_response, new_id, until_disconnected
+
+        s = self.s
+        try:
+            s.check_accepting()
+            body = await s.read_json(request)
+            s.check_model(body)
+            prompts, params, opts = proto.completion_request(
+                body, s.settings.max_prompts_per_request, s.settings.max_n_per_request)
+            rid = new_id("cmpl")
+            rids, streams = await s.start(prompts, params, opts["priority"], rid)
+        except Exception as e:
+            return error_response(as_api_error(e))
+        created = int(time.time())
+        if opts["stream"]:
+            return StreamingResponse(self._completion_stream(rid, created, rids, streams, opts,
+                                                             params.n),
+                                     media_type="text/event-stream")
+        try:
+            result = await until_disconnected(request, self._collect(rids, streams))
+        except Exception as e:
+            return error_response(as_api_error(e))
+        if result is None:
+            return Response(status_code=499)
+        choices, n_prompt, n_gen = [], 0, 0
+        for i, out in enumerate(result):
+            n_prompt += len(out.prompt_token_ids)
+            for c in out.outputs:
+                choice, k = self._completion_choice(out, c, opts)
+                choice["index"] = i * params.n + c.index
+                choices.append(choice)
+                n_gen += k
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": s.model_name, "choices": choices,
+                             "usage": proto.usage(n_prompt, n_gen)})
+
+    async def _collect(self, rids: list[str], streams: list[AsyncIterator]
+                       ) -> list[RequestOutput]:
+        from .server import merge
+
+        tracker = _Tracker(self.s, len(streams))
+        try:
+            async for i, out in merge(streams):
+                tracker.seen(i, out)
+        finally:
+            await self.s.abort(rids)
+            tracker.close([0] * len(streams))
+        for out in tracker.finals:
+            if out.error is not None:
+                raise RuntimeError(f"the request failed in the engine: {out.error}")
+        return tracker.finals  # type: ignore[return-value]
+
+    def _echo_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.s.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def _completion_choice(self, out: RequestOutput, c: CompletionOutput,
+                           opts: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """A non-streaming choice and its number of generated tokens."""
+        score_only = opts["score_only"]
+        text = "" if score_only else c.text
+        positions: list = [] if score_only or c.logprobs is None else list(c.logprobs)
+        prefix = ""
+        if opts["echo"]:
+            prefix = self._echo_text(out)
+            if out.prompt_logprobs is not None:
+                positions = list(out.prompt_logprobs) + positions
+        logprobs = None
+        if c.logprobs is not None or (opts["echo"] and out.prompt_logprobs is not None):
+            logprobs = proto.completion_logprobs(positions, 0, self.s.decode)
+        reason = "length" if score_only else c.finish_reason
+        return ({"text": prefix + text, "logprobs": logprobs, "finish_reason": reason,
+                 "stop_reason": c.stop_reason}, 0 if score_only else len(c.token_ids))
+
+    async def _completion_stream(self, rid: str, created: int, rids: list[str],
+                                 streams: list[AsyncIterator], opts: dict[str, Any],
+                                 n: int) -> AsyncIterator[str]:
+        from .server import as_api_error, merge, sse
+
+        s = self.s
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        done: set[int] = set()  # choices whose finish_reason was sent
+        n_prompt: dict[int, int] = {}
+        n_gen = 0
+        tracker = _Tracker(s, len(streams))
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": s.model_name, "choices": [choice], "usage": None})
+
+        try:
+            async for i, out in merge(streams):
+                tracker.seen(i, out)
+                n_prompt[i] = len(out.prompt_token_ids)
+                if out.error is not None:
+                    raise RuntimeError(f"the request failed in the engine: {out.error}")
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if idx in done:
+                        continue
+                    first = idx not in sent
+                    chars, toks = sent.get(idx, (0, 0))
+                    text = "" if opts["score_only"] else c.text[chars:]
+                    positions = ([] if opts["score_only"] or c.logprobs is None
+                                 else c.logprobs[toks:])
+                    prefix = ""
+                    if first and opts["echo"]:
+                        prefix = self._echo_text(out)
+                        if out.prompt_logprobs is not None:
+                            positions = list(out.prompt_logprobs) + list(positions)
+                    sent[idx] = (len(c.text), len(c.token_ids))
+                    reason = c.finish_reason
+                    if not (prefix or text or reason or positions):
+                        continue
+                    lps = None
+                    if c.logprobs is not None or (first and out.prompt_logprobs is not None):
+                        lps = proto.completion_logprobs(positions, 0, s.decode)
+                    if reason is not None:
+                        done.add(idx)
+                        n_gen += 0 if opts["score_only"] else len(c.token_ids)
+                    yield chunk({"index": idx, "text": prefix + text, "logprobs": lps,
+                                 "finish_reason": ("length" if opts["score_only"] and reason
+                                                   else reason),
+                                 "stop_reason": c.stop_reason})
+            if opts["include_usage"]:
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": s.model_name, "choices": [],
+                           "usage": proto.usage(sum(n_prompt.values()), n_gen)})
+        except Exception as e:  # the stream is open: an error event, then [DONE]
+            yield sse(as_api_error(e).body())
+        finally:
+            await s.abort(rids)
+            tracker.close([n_prompt.get(i, 0) for i in range(len(streams))])
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        from .server import as_api_error, error_response, new_id, until_disconnected
+
+        s = self.s
+        try:
+            s.check_accepting()
+            body = await s.read_json(request)
+            s.check_model(body)
+            messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request)
+            try:
+                prompt = s.engine.engine.chat_prompt(messages)
+            except proto.ApiError:
+                raise
+            except Exception as e:  # template errors (jinja) are the messages' fault
+                if isinstance(e, (ValueError, TypeError)) or "Template" in type(e).__name__:
+                    raise proto.bad(f"messages do not fit the chat template: {e}",
+                                    "messages") from None
+                raise
+            if opts["cache_salt"] is not None:
+                prompt["cache_salt"] = opts["cache_salt"]
+            rid = new_id("chatcmpl")
+            rids, streams = await s.start([prompt], params, opts["priority"], rid)
+        except Exception as e:
+            return error_response(as_api_error(e))
+        created = int(time.time())
+        if opts["stream"]:
+            return StreamingResponse(self._chat_stream(rid, created, rids, streams, opts,
+                                                       params.n),
+                                     media_type="text/event-stream")
+        try:
+            result = await until_disconnected(request, self._collect(rids, streams))
+        except Exception as e:
+            return error_response(as_api_error(e))
+        if result is None:
+            return Response(status_code=499)
+        out = result[0]
+        choices = []
+        for c in out.outputs:
+            lps = (proto.chat_logprobs(c.logprobs, opts["top_logprobs"], s.decode)
+                   if c.logprobs is not None else None)
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lps, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        n_gen = sum(len(c.token_ids) for c in out.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": s.model_name, "choices": choices,
+                             "usage": proto.usage(len(out.prompt_token_ids), n_gen)})
+
+    async def _chat_stream(self, rid: str, created: int, rids: list[str],
+                           streams: list[AsyncIterator], opts: dict[str, Any],
+                           n: int) -> AsyncIterator[str]:
+        from .server import as_api_error, merge, sse
+
+        s = self.s
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        done: set[int] = set()  # choices whose finish_reason was sent
+        n_prompt, n_gen = 0, 0
+        tracker = _Tracker(s, 1)
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": s.model_name, "choices": [choice], "usage": None})
+
+        try:
+            for i in range(n):  # the first chunk of each choice carries the role
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+            async for _, out in merge(streams):
+                tracker.seen(0, out)
+                n_prompt = len(out.prompt_token_ids)
+                if out.error is not None:
+                    raise RuntimeError(f"the request failed in the engine: {out.error}")
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    chars, toks = sent.get(c.index, (0, 0))
+                    text = c.text[chars:]
+                    positions = c.logprobs[toks:] if c.logprobs is not None else []
+                    sent[c.index] = (len(c.text), len(c.token_ids))
+                    if not (text or c.finish_reason or positions):
+                        continue
+                    lps = (proto.chat_logprobs(positions, opts["top_logprobs"], s.decode)
+                           if c.logprobs is not None else None)
+                    if c.finish_reason is not None:
+                        done.add(c.index)
+                        n_gen += len(c.token_ids)
+                    yield chunk({"index": c.index, "delta": {"content": text} if text else {},
+                                 "logprobs": lps, "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason})
+            if opts["include_usage"]:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": s.model_name, "choices": [],
+                           "usage": proto.usage(n_prompt, n_gen)})
+        except Exception as e:
+            yield sse(as_api_error(e).body())
+        finally:
+            await s.abort(rids)
+            tracker.close([n_prompt])
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,286 @@
+"""OpenAI request bodies -> (prompts, `SamplingParams`), and `RequestOutput`s -> OpenAI response
+and stream-chunk bodies (shapes as OpenAI and vLLM's server define them).
+
+Everything here is pure: no I/O, no engine. Unknown fields are ignored (benchmark clients send
+their own); known OpenAI/vLLM fields that pagebatch does not support raise `ApiError` 400.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pagebatch.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+
+# Fields OpenAI or vLLM define that pagebatch does not implement: a 400, never silence.
+UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                      "audio", "prediction", "web_search_options", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                      "lora_request", "use_beam_search")
+UNSUPPORTED_COMPLETIONS = ("suffix",)
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        v = body.get(name)
+        if v is None or v is False or v == [] or (name == "tool_choice" and v == "none"):
+            continue
+        raise bad(f"{name!r} is not supported by pagebatch (no tool calling, structured "
+                  f"output, beam search or LoRA in this version); remove the field", name)
+
+
+def _int_keys(logit_bias: Any) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise bad(f"logit_bias must be an object of token id -> bias, got {logit_bias!r:.100}",
+                  "logit_bias")
+    out = {}
+    for k, v in logit_bias.items():
+        try:
+            out[int(k)] = v
+        except (TypeError, ValueError):
+            raise bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+    return out
+
+
+def _opt(body: dict[str, Any], name: str, default: Any) -> Any:
+    v = body.get(name)
+    return default if v is None else v
+
+
+def sampling_params(body: dict[str, Any], max_tokens: Any, logprobs: int | None,
+                    max_n: int) -> SamplingParams:
+    """The fields both endpoints share. Range checks are SamplingParams.validate's (the engine
+    runs it and raises SamplingParamsError, answered as a 400)."""
+    n = _opt(body, "n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
+        raise bad(f"n={n} is more than this server allows (max_n_per_request={max_n})", "n")
+    stop_ids = _opt(body, "stop_token_ids", [])
+    return SamplingParams(
+        n=n, temperature=_opt(body, "temperature", 1.0), top_p=_opt(body, "top_p", 1.0),
+        top_k=_opt(body, "top_k", 0), min_p=_opt(body, "min_p", 0.0),
+        presence_penalty=_opt(body, "presence_penalty", 0.0),
+        frequency_penalty=_opt(body, "frequency_penalty", 0.0),
+        repetition_penalty=_opt(body, "repetition_penalty", 1.0),
+        logit_bias=_int_keys(body.get("logit_bias")), max_tokens=max_tokens,
+        min_tokens=_opt(body, "min_tokens", 0), stop=body.get("stop"),
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+        ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs,
+        seed=body.get("seed"), skip_special_tokens=bool(body.get("skip_special_tokens", True)))
+
+
+def _check_priority_and_salt(body: dict[str, Any]) -> tuple[int, str | None]:
+    priority = _opt(body, "priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad(f"priority must be an integer, got {priority!r:.50}", "priority")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad(f"cache_salt must be a non-empty string, got {salt!r:.50}", "cache_salt")
+    return priority, salt
+
+
+def completion_request(body: dict[str, Any], max_prompts: int, max_n: int
+                       ) -> tuple[list[dict[str, Any]], SamplingParams, dict[str, Any]]:
+    """Parse a /v1/completions body. Returns engine prompts (dicts, with cache_salt when
+    given), the sampling params and options: echo, stream, include_usage, priority,
+    score_only (max_tokens 0 with echo: the prompt is scored, nothing generated)."""
+    _check_unsupported(body, UNSUPPORTED_COMMON + UNSUPPORTED_COMPLETIONS)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != _opt(body, "n", 1):
+        raise bad("best_of other than n is not supported", "best_of")
+    prompts = _prompts(body.get("prompt"), max_prompts)
+    priority, salt = _check_priority_and_salt(body)
+    if salt is not None:
+        prompts = [{**p, "cache_salt": salt} for p in prompts]
+    echo = bool(body.get("echo", False))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise bad(f"logprobs must be an integer (the number of top tokens), got {logprobs!r}",
+                  "logprobs")
+    max_tokens = body["max_tokens"] if "max_tokens" in body else 16
+    score_only = max_tokens == 0 and not isinstance(max_tokens, bool)
+    if score_only:
+        if not echo:
+            raise bad("max_tokens=0 is only allowed with echo=true (to score the prompt)",
+                      "max_tokens")
+        max_tokens = 1  # one token is computed and dropped
+    params = sampling_params(body, max_tokens, logprobs, max_n)
+    if echo and logprobs is not None:
+        params.prompt_logprobs = logprobs
+    opts = dict(echo=echo, score_only=score_only, priority=priority, **_stream_opts(body))
+    return prompts, params, opts
+
+
+def _prompts(prompt: Any, max_prompts: int) -> list[dict[str, Any]]:
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        out = [{"prompt": prompt}]
+    elif is_ids(prompt):
+        out = [{"prompt_token_ids": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p)
+                                                     for p in prompt):
+        out = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+               for p in prompt]
+    else:
+        raise bad("prompt must be a string, a list of strings, a list of token ids or a list "
+                  f"of token-id lists (non-empty), got {prompt!r:.100}", "prompt")
+    if len(out) > max_prompts:
+        raise bad(f"{len(out)} prompts in one request; this server allows "
+                  f"{max_prompts} (max_prompts_per_request)", "prompt")
+    return out
+
+
+def _stream_opts(body: dict[str, Any]) -> dict[str, Any]:
+    stream = bool(body.get("stream", False))
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = bool((so or {}).get("include_usage", False))
+    if so and not stream:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    return dict(stream=stream, include_usage=include_usage)
+
+
+def chat_request(body: dict[str, Any], max_n: int
+                 ) -> tuple[list[dict[str, Any]], SamplingParams, dict[str, Any]]:
+    """Parse a /v1/chat/completions body. Returns the messages (content parts flattened to
+    text), the sampling params and options (stream, include_usage, priority, cache_salt,
+    top_logprobs)."""
+    _check_unsupported(body, UNSUPPORTED_COMMON)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("response_format other than {'type': 'text'} is not supported (no "
+                  "structured output in this version)", "response_format")
+    if body.get("echo"):
+        raise bad("echo is not supported for chat completions", "echo")
+    messages = _messages(body.get("messages"))
+    priority, salt = _check_priority_and_salt(body)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    want = body.get("logprobs", False)
+    if not isinstance(want, bool):
+        raise bad(f"logprobs must be true or false for chat completions, got {want!r}",
+                  "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not want:
+            raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise bad(f"top_logprobs must be an integer, got {top!r}", "top_logprobs")
+    logprobs = (top or 0) if want else None
+    params = sampling_params(body, max_tokens, logprobs, max_n)
+    opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, **_stream_opts(body))
+    return messages, params, opts
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"messages[{i}].content: only 'text' parts are supported "
+                              f"(no multimodal input in this version)", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts",
+                      "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf (OpenAI's floor too)
+
+
+def completion_logprobs(positions: list[PositionLogprobs | None], text_offset: int,
+                        decode: Any) -> dict[str, list]:
+    """OpenAI's completions logprobs object over some positions (None: the first prompt
+    token, which has no log-prob). ``decode(id)`` gives a token's text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for pos in positions:
+        if pos is None:
+            tokens.append(None)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(off)
+            continue
+        tid, first = next(iter(pos.items()))
+        text = first.decoded_token if first.decoded_token is not None else decode(tid)
+        tokens.append(text)
+        token_lps.append(_lp(first.logprob))
+        tops.append({(lp.decoded_token if lp.decoded_token is not None else decode(t)):
+                     _lp(lp.logprob) for t, lp in pos.items()})
+        offsets.append(off)
+        off += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(positions: list[PositionLogprobs], top_n: int, decode: Any
+                  ) -> dict[str, list]:
+    """OpenAI's chat logprobs object: per token, itself and its ``top_n`` most likely
+    alternatives (by rank)."""
+    content = []
+    for pos in positions:
+        tid, first = next(iter(pos.items()))
+        entry = _chat_entry(first.decoded_token or decode(tid), first.logprob)
+        top = sorted((lp.rank, t, lp) for t, lp in pos.items()
+                     if lp.rank is not None and lp.rank <= top_n)[:top_n]
+        entry["top_logprobs"] = [_chat_entry(lp.decoded_token or decode(t), lp.logprob)
+                                 for _, t, lp in top]
+        content.append(entry)
+    return {"content": content}
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+def completion_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -1,0 +1,374 @@
+"""The starlette app of ``pagebatch serve`` and its uvicorn runner.
+
+The engine core runs in its own process (`AsyncEngine.from_config(config, multiprocess=True)`);
+this process tokenizes, detokenizes and speaks HTTP. Endpoints: POST /v1/completions,
+POST /v1/chat/completions (both streaming as server-sent events), GET /v1/models, GET /health,
+GET /version, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``: input errors 400 (before a stream opens),
+unknown model 404, API key 401, body too large 413, dead engine 503. A client that disconnects
+has its request aborted (all n samples) at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import pagebatch
+from pagebatch import AsyncEngine, EngineConfig
+from pagebatch.errors import EngineDeadError, InvalidRequestError
+from pagebatch.request import RequestOutput, SamplingParams
+
+from . import protocol as proto
+from .completions import Completions
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Settings:
+    """The server's options (``EngineConfig.plugin_options``, see this plugin's OPTIONS)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_body_bytes: int = 16 * 2**20
+    max_prompts_per_request: int = 256
+    max_n_per_request: int = 128
+    allowed_origins: list[str] = field(default_factory=list)
+    shutdown_timeout: float = 30.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Settings":
+        opts = {k: v for k, v in config.plugin_options.items()
+                if k in cls.__dataclass_fields__}
+        s = cls(**opts)
+        if s.api_key is None:
+            s.api_key = os.environ.get("PAGEBATCH_API_KEY") or None
+        return s
+
+
+def error_response(e: proto.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def as_api_error(e: BaseException) -> proto.ApiError:
+    """Map an exception to its HTTP error: input errors 400, a dead engine 503, else 500."""
+    if isinstance(e, proto.ApiError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        code = type(e).__name__
+        return proto.ApiError(400, str(e), code=code)
+    if isinstance(e, EngineDeadError):
+        return proto.ApiError(503, str(e), type="service_unavailable", code="engine_dead")
+    logger.exception("request failed")
+    return proto.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error")
+
+
+class _ApiKeyMiddleware:
+    """401 on /v1/* unless ``Authorization: Bearer KEY`` matches (constant-time compare).
+    The path is the ASGI scope's, so a forged Host header or absolute URL cannot dodge it."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
+                scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = b""
+            for name, value in scope.get("headers", []):
+                if name == b"authorization":
+                    given = value
+            if not hmac.compare_digest(given, b"Bearer " + self.key):
+                err = proto.ApiError(401, "invalid or missing API key: send 'Authorization: "
+                                     "Bearer KEY'", code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The state behind the routes: the engine, the settings, the metrics."""
+
+    def __init__(self, engine: AsyncEngine, config: EngineConfig, settings: Settings) -> None:
+        self.engine, self.config, self.settings = engine, config, settings
+        self.model_name = settings.served_model_name or config.model
+        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+        self.metrics = Metrics(self.model_name, lambda: engine.core_stats)
+        engine.add_stats_listener(self.metrics.on_core_stats)
+        self.draining = False
+        self.completions = Completions(self)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise proto.ApiError(404, f"the model {model!r} does not exist; this server "
+                                 f"serves {self.model_name!r}", param="model",
+                                 code="model_not_found")
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The request body as a JSON object; 413 past max_request_body_bytes, 400 if not
+        a JSON object."""
+        limit = self.settings.max_request_body_bytes
+        too_big = proto.ApiError(413, f"request body is larger than {limit} bytes "
+                                 f"(max_request_body_bytes)", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise proto.bad(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise proto.bad("request body must be a JSON object")
+        return body
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise proto.ApiError(503, "the server is shutting down", type="service_unavailable",
+                                 code="shutting_down")
+        self.engine.check_health()
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self.check_accepting()
+        except (EngineDeadError, proto.ApiError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": pagebatch.__version__})
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pagebatch", "root": self.config.model, "parent": None,
+                "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await self.read_json(request)
+            self.check_model(body)
+            if self.tokenizer is None:
+                raise proto.bad("this model has no tokenizer (dummy weights)")
+            if "messages" in body:
+                msgs = proto._messages(body["messages"])
+                ids = self.engine.engine.chat_prompt(msgs)["prompt_token_ids"]
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise proto.bad("prompt must be a string (or give messages)", "prompt")
+                ids = self.tokenizer(prompt, add_special_tokens=bool(
+                    body.get("add_special_tokens", True)))["input_ids"]
+        except Exception as e:
+            return error_response(as_api_error(e))
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self.read_json(request)
+            self.check_model(body)
+            ids = body.get("tokens")
+            vocab = self.engine.engine.vocab_size
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                    for t in ids):
+                raise proto.bad(f"tokens must be a list of token ids in [0, {vocab})",
+                                "tokens")
+            if self.tokenizer is None:
+                raise proto.bad("this model has no tokenizer (dummy weights)")
+            text = self.tokenizer.decode(ids)
+        except Exception as e:
+            return error_response(as_api_error(e))
+        return JSONResponse({"prompt": text})
+
+    # ---- running requests ---------------------------------------------------------------------
+
+    async def start(self, prompts: list[dict[str, Any]], params: SamplingParams,
+                    priority: int, prefix: str) -> tuple[list[str], list[AsyncIterator]]:
+        """Queue one request per prompt (ids ``prefix-i``). If one is rejected, the ones
+        queued before it are aborted and its error raised: nothing is left running."""
+        rids, streams = [], []
+        try:
+            for i, p in enumerate(prompts):
+                rid = f"{prefix}-{i}"
+                streams.append(await self.engine.add_request(p, params, rid, priority))
+                rids.append(rid)
+        except BaseException:
+            await self.abort(rids)
+            raise
+        return rids, streams
+
+    async def abort(self, rids: list[str]) -> None:
+        for rid in rids:  # finished and unknown ids are ignored
+            await self.engine.abort(rid)
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several request streams as they come, tagged with the stream's index.
+    Leaving early cancels the pumps (which aborts their requests)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnected(request: Request, work: Any) -> Any:
+    """Run ``work`` (a coroutine) unless the client goes away first (then cancel it, which
+    aborts its requests, and return None). For non-streaming responses, whose body has been
+    read: the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return None
+    return task.result()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def build_app(engine: AsyncEngine, config: EngineConfig,
+              settings: Settings | None = None) -> Starlette:
+    """The ASGI app over a running ``engine`` (which the caller owns and shuts down)."""
+    settings = settings or Settings.from_config(config)
+    server = Server(engine, config, settings)
+    c = server.completions
+    routes = [
+        Route("/v1/completions", c.completions, methods=["POST"]),
+        Route("/v1/chat/completions", c.chat, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.server = server
+    if settings.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+def serve(config: EngineConfig) -> int:
+    """``pagebatch serve``: start the engine core process, then serve until SIGINT/SIGTERM.
+    On SIGTERM the server stops accepting (/health and new requests answer 503), running
+    requests get ``shutdown_timeout`` seconds, the rest are cancelled (aborted), and the
+    engine core process is stopped."""
+    import uvicorn
+
+    settings = Settings.from_config(config)
+    engine = AsyncEngine.from_config(config, multiprocess=True)
+    try:
+        app = build_app(engine, config, settings)
+        server = _DrainingServer(app.state.server, uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level="info",
+            timeout_graceful_shutdown=max(1, int(round(settings.shutdown_timeout)))))
+        logger.info("serving %s on http://%s:%d", app.state.server.model_name, settings.host,
+                    settings.port)
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+class _DrainingServer:
+    """uvicorn's Server, marking the app as draining when a shutdown signal arrives."""
+
+    def __new__(cls, state: Server, config: Any) -> Any:
+        import uvicorn
+
+        class Srv(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                state.draining = True
+                super().handle_exit(sig, frame)
+                # uvicorn re-raises captured signals once it has shut down, which would kill
+                # the process (status -15) before `serve` stops the engine core; a drained
+                # shutdown is a clean exit (status 0) instead.
+                self._captured_signals.clear()
+
+        return Srv(config)
