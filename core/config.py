@@ -254,20 +254,27 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Cross-key checks; raises ConfigError."""
-        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
-                and self.max_model_len is not None):
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ConfigError(
-                    f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
-                    f"max_model_len={self.max_model_len}: without chunked prefill a prompt of "
-                    f"max_model_len tokens could never be scheduled; raise "
-                    f"max_num_batched_tokens or lower max_model_len")
+        if self.max_num_batched_tokens is not None and self.max_model_len is not None:
+            check_token_budget(self.max_num_batched_tokens, self.max_model_len,
+                               self.enable_chunked_prefill)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if not f.metadata.get("internal")}
         d.update(self.plugin_options)
         return d
+
+
+def check_token_budget(max_num_batched_tokens: int, max_model_len: int,
+                       enable_chunked_prefill: bool) -> None:
+    """Without chunked prefill a prompt is scheduled whole, so the step's token budget must hold
+    a prompt of max_model_len tokens. Raises ConfigError."""
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"max_num_batched_tokens={max_num_batched_tokens} is below "
+            f"max_model_len={max_model_len}: without chunked prefill a prompt of "
+            f"max_model_len tokens could never be scheduled; raise "
+            f"max_num_batched_tokens or lower max_model_len")
 
 
 def normalize_key(key: str) -> str:

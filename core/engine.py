@@ -78,7 +78,7 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        return SamplingParams().with_defaults(self.sampling_defaults)
+        return SamplingParams(**self.sampling_defaults)
 
     def prepare(self, prompt: PromptType, params: SamplingParams | None,
                 request_id: str | None = None,

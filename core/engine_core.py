@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import EngineConfig
+from .config import EngineConfig, check_token_budget
 from .errors import ConfigError
 from .kv_cache import KVCacheManager
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
@@ -106,11 +106,7 @@ def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
     max_model_len = _resolve_max_model_len(config, hf_config, registry)
     mnbt = config.max_num_batched_tokens or (
         8192 if config.enable_chunked_prefill else max(max_model_len, 2048))
-    if mnbt < max_model_len and not config.enable_chunked_prefill:
-        raise ConfigError(
-            f"max_num_batched_tokens={mnbt} is below max_model_len={max_model_len}: "
-            f"without chunked prefill a prompt of max_model_len tokens could never be "
-            f"scheduled; raise max_num_batched_tokens or lower max_model_len")
+    check_token_budget(mnbt, max_model_len, config.enable_chunked_prefill)
     return ModelSetup(source, hf_config, max_model_len, mnbt)
 
 
@@ -192,10 +188,6 @@ class EngineCore:
             len(sched.running), len(sched.waiting), self.kv_cache.usage,
             sched.stats.num_preemptions, sched.stats.num_steps, self.kv_cache.stats.queries,
             self.kv_cache.stats.hits, times.queue_times, times.prefill_times, times.decode_times)
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.kv_cache.num_blocks * self.config.block_size
 
     def add_request(self, r: EngineCoreRequest) -> None:
         sp = r.sampling_params

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SamplingParamsError
@@ -138,14 +138,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
-
-    def with_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
-        """A copy where fields still at the class default take a model's generation_config value."""
-        out = SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
-        for f in fields(self):
-            if f.name in defaults and getattr(self, f.name) == f.default:
-                setattr(out, f.name, defaults[f.name])
-        return out
 
 
 class FinishReason(str, enum.Enum):

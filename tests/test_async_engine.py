@@ -4,25 +4,25 @@ streams, aborts, bad requests, a failing request, a killed core process, startup
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import os
-import random
 import signal
 import time
 
 import pytest
 
-from pagebatch import AsyncEngine, EngineConfig, SamplingParams
+from pagebatch import AsyncEngine, SamplingParams
 from pagebatch.core_client import InprocClient
 from pagebatch.errors import (CacheTooSmallError, ContextLengthError, EngineDeadError,
                               InvalidRequestError, InvalidTokenError, SamplingParamsError)
 from procs import engine_core_children, one_thread_children, wait_gone
+from tiny import engine_config, random_prompts
 
 ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=96, block_size=4,
                    max_model_len=128)
 
 
-def tiny_config(model_dir, **overrides) -> EngineConfig:
-    return EngineConfig.from_sources(cli={"model": str(model_dir), **ENGINE_KEYS, **overrides})
+tiny_config = partial(engine_config, keys=ENGINE_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,7 @@ def engine(request):
 
 
 def _prompts(n: int, seed: int = 3) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randint(3, 255) for _ in range(rng.randint(1, 30))]}
-            for _ in range(n)]
+    return [{"prompt_token_ids": p} for p in random_prompts(n, seed, max_len=30)]
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -5,6 +5,7 @@ startup errors come back typed; the core process follows its parent out."""
 from __future__ import annotations
 
 import random
+from functools import partial
 import signal
 import subprocess
 import sys
@@ -18,13 +19,13 @@ from pagebatch.core_client import InprocClient, MPClient
 from pagebatch.engine_core import EngineCore, EngineCoreRequest
 from pagebatch.errors import ModelNotFoundError
 from procs import engine_core_children, one_thread_children, wait_gone
+from tiny import engine_config
 
 ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
                    max_model_len=128)
 
 
-def tiny_config(model_dir, **overrides) -> EngineConfig:
-    return EngineConfig.from_sources(cli={"model": str(model_dir), **ENGINE_KEYS, **overrides})
+tiny_config = partial(engine_config, keys=ENGINE_KEYS)
 
 
 @pytest.fixture(scope="module")

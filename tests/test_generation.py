@@ -19,17 +19,13 @@ from pagebatch.detokenizer import IncrementalDetokenizer
 from pagebatch.engine_core import EngineCoreOutput
 from pagebatch.errors import InvalidRequestError, SamplingParamsError
 from pagebatch.output import SampleState, StopStrings
+from tiny import random_prompts
 
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
     return LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=256,
                block_size=4, max_num_seqs=16)
-
-
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randint(3, 255) for _ in range(rng.randint(1, 40))] for _ in range(n)]
 
 
 def _stream(llm: LLM, prompt, params: SamplingParams) -> list:
@@ -79,7 +75,7 @@ def _same_samples(a, b) -> None:
 # ---- tiny model -------------------------------------------------------------------------------
 
 def test_seeded_requests_alone_equal_batched_with_15_others(tiny_llm):
-    prompts = [{"prompt_token_ids": p} for p in _prompts(16, seed=2)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(16, seed=2)]
     params = _mixed_params(16, max_tokens=12)
     batched = tiny_llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs) for o in batched] == [p.n for p in params]
@@ -90,7 +86,7 @@ def test_seeded_requests_alone_equal_batched_with_15_others(tiny_llm):
 
 
 def test_n_samples_are_four_seeded_requests(tiny_llm):
-    p = {"prompt_token_ids": _prompts(1, seed=3)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=3)[0]}
     sp = SamplingParams(temperature=1.0, max_tokens=10, n=4, seed=50, ignore_eos=True)
     out = tiny_llm.generate(p, sp, use_tqdm=False)[0]
     assert out.finished and [c.index for c in out.outputs] == [0, 1, 2, 3]
@@ -125,7 +121,7 @@ def _greedy_text(llm: LLM, p, max_tokens: int = 14):
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_across_tokens_never_leaks(tiny_llm, include):
-    p = {"prompt_token_ids": _prompts(1, seed=4)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
     free = _greedy_text(tiny_llm, p)
     words = free.text.split()
     stop = words[4][1:] + " " + words[5][:2]  # "84 w1": spans a token boundary
@@ -148,7 +144,7 @@ def test_stop_string_across_tokens_never_leaks(tiny_llm, include):
 
 
 def test_earliest_stop_string_wins(tiny_llm):
-    p = {"prompt_token_ids": _prompts(1, seed=4)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
     words = _greedy_text(tiny_llm, p).text.split()
     late, early = words[6], words[2]
     out = tiny_llm.generate(p, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
@@ -181,10 +177,11 @@ def test_logprobs_and_prompt_logprobs_match_forward_scratch(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
               block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=8,
               max_model_len=64)
-    prompt = _prompts(1, seed=6)[0] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    prompt = random_prompts(1, seed=6)[0] + list(range(5, 21))
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2,
                         ignore_eos=True)
-    other = {"prompt_token_ids": _prompts(1, seed=7)[0]}  # a batch neighbour without log-probs
+    # a batch neighbour without log-probs
+    other = {"prompt_token_ids": random_prompts(1, seed=7)[0]}
     out, _ = llm.generate([{"prompt_token_ids": prompt}, other],
                           [sp, SamplingParams(max_tokens=6)], use_tqdm=False)
     comp = out.outputs[0]
@@ -219,7 +216,7 @@ def _check_position(d, token, ref_row, n) -> None:
 
 def test_tiny_temperature_is_near_greedy(tiny_llm):
     runner = tiny_llm.engine.core.runner
-    for p in _prompts(3, seed=8):
+    for p in random_prompts(3, seed=8):
         g = _greedy_text(tiny_llm, {"prompt_token_ids": p}, 16)
         t = tiny_llm.generate({"prompt_token_ids": p},
                               SamplingParams(temperature=1e-4, max_tokens=16, ignore_eos=True,
@@ -447,7 +444,7 @@ def test_async_engine_streams_n_samples_with_stop_strings_and_logprobs(tiny_mode
 
     from pagebatch import AsyncEngine, EngineConfig
 
-    p = {"prompt_token_ids": _prompts(1, seed=4)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
     free = _greedy_text(tiny_llm, p)
     stop = free.text.split()[3]
     want = free.text[:free.text.find(stop)]

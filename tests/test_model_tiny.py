@@ -3,13 +3,13 @@ batch invariance, blocks returned."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from numerics import LOGITS_ATOL, LOGITS_RTOL, assert_greedy_match, hf_greedy
 from pagebatch import LLM, SamplingParams
+from tiny import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,8 @@ def tiny_llm(tiny_model_dir):
                block_size=4, max_num_seqs=16)
 
 
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randint(3, 255) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
-
 def test_logits_match_transformers(tiny_llm, hf_tiny):
-    ids = _prompts(1, seed=7)[0] + list(range(3, 60))
+    ids = random_prompts(1, seed=7)[0] + list(range(3, 60))
     ours = tiny_llm.engine.core.runner.forward_scratch(ids)
     with torch.no_grad():
         ref = hf_tiny(torch.tensor([ids])).logits[0].float()
@@ -40,14 +35,14 @@ def test_logits_match_transformers(tiny_llm, hf_tiny):
 
 def test_greedy_matches_transformers(tiny_llm, hf_tiny):
     sp = SamplingParams(temperature=0.0, max_tokens=24)
-    for p in _prompts(4, seed=3):
+    for p in random_prompts(4, seed=3):
         ref, gaps = hf_greedy(hf_tiny, p, 24)
         got = tiny_llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
         assert_greedy_match(ref, gaps, got.outputs[0].token_ids, what=f"prompt {p}")
 
 
 def test_batch_of_16_equals_solo(tiny_llm):
-    prompts = [{"prompt_token_ids": p} for p in _prompts(16, seed=5)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(16, seed=5)]
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     batched = tiny_llm.generate(prompts, sp, use_tqdm=False)
     solo = [tiny_llm.generate(p, sp, use_tqdm=False)[0] for p in prompts]
@@ -63,7 +58,7 @@ def test_preemption_gives_the_same_tokens(tiny_model_dir):
     recompute must leave every output as it would be alone."""
     llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=24, block_size=4,
               max_model_len=64, max_num_batched_tokens=256)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(8, seed=11)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, seed=11)]
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     batched = llm.generate(prompts, sp, use_tqdm=False)
     assert llm.engine.core.scheduler.stats.num_preemptions > 0
@@ -73,7 +68,7 @@ def test_preemption_gives_the_same_tokens(tiny_model_dir):
 
 
 def test_seeded_sampling_is_batch_invariant(tiny_llm):
-    prompts = [{"prompt_token_ids": p} for p in _prompts(16, seed=2)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(16, seed=2)]
     mixed = [SamplingParams(temperature=0.0, max_tokens=12) if i % 3 else
              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=100 + i)
              for i in range(16)]
@@ -84,7 +79,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_llm):
 
 
 def test_top_k_1_equals_greedy(tiny_llm):
-    p = {"prompt_token_ids": _prompts(1, seed=9)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=9)[0]}
     g = tiny_llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                           use_tqdm=False)[0]
     k1 = tiny_llm.generate(p, SamplingParams(temperature=0.7, top_k=1, max_tokens=16,
@@ -93,7 +88,7 @@ def test_top_k_1_equals_greedy(tiny_llm):
 
 
 def test_stop_token_ids_and_max_tokens(tiny_llm):
-    p = {"prompt_token_ids": _prompts(1, seed=4)[0]}
+    p = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
     free = tiny_llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 10

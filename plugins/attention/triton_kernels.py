@@ -29,8 +29,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30
 
 
 @triton.jit

@@ -55,7 +55,7 @@ class Completions:
     # ---- /v1/completions ----------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        from .server import as_api_error, error_response, new_id, until_disconnected
+        from .server import as_api_error, error_response, new_id
 
         s = self.s
         try:
@@ -69,16 +69,11 @@ class Completions:
         except Exception as e:
             return error_response(as_api_error(e))
         created = int(time.time())
-        if opts["stream"]:
-            return StreamingResponse(self._completion_stream(rid, created, rids, streams, opts,
-                                                             params.n),
-                                     media_type="text/event-stream")
-        try:
-            result = await until_disconnected(request, self._collect(rids, streams))
-        except Exception as e:
-            return error_response(as_api_error(e))
-        if result is None:
-            return Response(status_code=499)
+        result = await self._stream_or_collect(
+            request, self._completion_stream(rid, created, rids, streams, opts, params.n),
+            rids, streams, opts)
+        if isinstance(result, Response):
+            return result
         choices, n_prompt, n_gen = [], 0, 0
         for i, out in enumerate(result):
             n_prompt += len(out.prompt_token_ids)
@@ -90,6 +85,21 @@ class Completions:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": s.model_name, "choices": choices,
                              "usage": proto.usage(n_prompt, n_gen)})
+
+    async def _stream_or_collect(self, request: Request, events: AsyncIterator[str],
+                                 rids: list[str], streams: list[AsyncIterator],
+                                 opts: dict[str, Any]) -> Response | list[RequestOutput]:
+        """With ``stream: true`` the SSE response of ``events``; else the finished outputs, or
+        an error response (the request failed) or a 499 (the client left first)."""
+        from .server import as_api_error, error_response, until_disconnected
+
+        if opts["stream"]:
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            result = await until_disconnected(request, self._collect(rids, streams))
+        except Exception as e:
+            return error_response(as_api_error(e))
+        return Response(status_code=499) if result is None else result
 
     async def _collect(self, rids: list[str], streams: list[AsyncIterator]
                        ) -> list[RequestOutput]:
@@ -195,7 +205,7 @@ class Completions:
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        from .server import as_api_error, error_response, new_id, until_disconnected
+        from .server import as_api_error, error_response, new_id
 
         s = self.s
         try:
@@ -219,16 +229,11 @@ class Completions:
         except Exception as e:
             return error_response(as_api_error(e))
         created = int(time.time())
-        if opts["stream"]:
-            return StreamingResponse(self._chat_stream(rid, created, rids, streams, opts,
-                                                       params.n),
-                                     media_type="text/event-stream")
-        try:
-            result = await until_disconnected(request, self._collect(rids, streams))
-        except Exception as e:
-            return error_response(as_api_error(e))
-        if result is None:
-            return Response(status_code=499)
+        result = await self._stream_or_collect(
+            request, self._chat_stream(rid, created, rids, streams, opts, params.n),
+            rids, streams, opts)
+        if isinstance(result, Response):
+            return result
         out = result[0]
         choices = []
         for c in out.outputs:
