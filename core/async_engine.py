@@ -123,8 +123,8 @@ class AsyncEngine:
                 self._deliver(out)
 
     def add_stats_listener(self, listener: Callable[[EngineCoreStats], None]) -> None:
-        """Call ``listener(stats)`` on the output thread with the core's `EngineCoreStats`
-        after every turn that had outputs (e.g. a metrics exporter; keep it short)."""
+        """Call ``listener(stats)`` on the output thread with each new `EngineCoreStats` of the
+        core, once per snapshot (e.g. a metrics exporter; keep it short)."""
         self._stats_listeners.append(listener)
 
     @property
@@ -141,15 +141,17 @@ class AsyncEngine:
 
     def _output_loop(self) -> None:
         core = self.engine.core
+        reported = None
         while not self._stopping.is_set():
             try:
                 outputs = core.step(timeout=_STEP_WAIT_S)
-                if not outputs:
-                    continue
-                with self._lock:
-                    for out in self.engine.process_outputs(outputs):
-                        self._deliver(out)
-                self._report_stats(core.stats)
+                if outputs:
+                    with self._lock:
+                        for out in self.engine.process_outputs(outputs):
+                            self._deliver(out)
+                if core.stats is not reported:  # a new snapshot, with or without outputs
+                    reported = core.stats
+                    self._report_stats(reported)
             except EngineDeadError as e:
                 self._fail_all(e)
                 return

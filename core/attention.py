@@ -4,6 +4,11 @@ A step's batch is flattened: the new tokens of every scheduled request, request 
 ``num_tokens`` in all. Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and,
 after this step, ``seq_lens[i]`` tokens of context in the paged KV cache, read through row ``i``
 of ``block_tables``. Prefill chunks and decodes (one row) mix freely.
+
+KV cache dtype (config ``kv_cache_dtype``): the model dtype, or fp8 e4m3 (``torch.float8_e4m3fn``)
+as vLLM's ``--kv-cache-dtype fp8`` stores it: each layer has scalar ``k_scale`` / ``v_scale``
+(1.0 unless a checkpoint gives them), a cache entry is ``clamp(x / scale, -448, 448)`` rounded to
+e4m3 (nearest even) and reads back as ``float(entry) * scale``.
 """
 
 from __future__ import annotations
@@ -13,12 +18,30 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ConfigError
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value: stored values are clamped to it
+KV_CACHE_DTYPES = {"fp8": FP8_KV_DTYPE, "fp8_e4m3": FP8_KV_DTYPE}
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype for config ``kv_cache_dtype``: ``auto`` -> the model's ``dtype``;
+    ``fp8`` / ``fp8_e4m3`` -> torch.float8_e4m3fn. Raises ConfigError for another name."""
+    if name == "auto":
+        return dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={name!r}: allowed: ['auto', "
+                          f"{', '.join(map(repr, KV_CACHE_DTYPES))}]")
+    return KV_CACHE_DTYPES[name]
+
 
 @dataclass
 class AttentionMetadata:
     """One step's batch layout. Tensors live on the model's device.
 
-    slot_mapping:    [num_tokens] int64, cache slot (block_id * block_size + offset) per new token
+    slot_mapping:    [num_tokens] int32 (int64 accepted), cache slot (block_id * block_size +
+                     offset) per new token; negative: a padding token, not written
     query_start_loc: [num_seqs + 1] int32, prefix sums of new tokens per request
     seq_lens:        [num_seqs] int32, context length of each request after this step
     block_tables:    [num_seqs, max_blocks_per_seq] int32, padded with 0
@@ -50,6 +73,13 @@ class AttentionBackend(ABC):
     """
 
     name: str = "?"
+    # True when `forward` and `write_kv` launch work whose shape depends only on the tensors'
+    # shapes and metadata.max_query_len / max_seq_len / num_seqs (no host reads of tensor
+    # values), so that a decode step can be captured in a CUDA graph (core/cuda_graphs.py)
+    supports_cuda_graphs: bool = False
+    # True when `write_kv` and `forward` take an fp8 (float8_e4m3fn) cache and the keyword
+    # arguments k_scale / v_scale (see the module docstring); they are passed for fp8 caches only
+    supports_fp8_kv_cache: bool = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -60,13 +90,23 @@ class AttentionBackend(ABC):
         """None when usable on this device and dtype, else a reason."""
         return None
 
+    def supports_kv_cache_dtype(self, device: torch.device, dtype: torch.dtype,
+                                kv_dtype: torch.dtype) -> str | None:
+        """None when this backend keeps a ``kv_dtype`` cache for a model of ``dtype`` on
+        ``device``, else a reason (start then fails with a ConfigError that quotes it)."""
+        if kv_dtype == dtype or (kv_dtype == FP8_KV_DTYPE and self.supports_fp8_kv_cache):
+            return None
+        return (f"the {self.name!r} attention backend has no {kv_dtype} KV cache for a "
+                f"{dtype} model")
+
     @abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store new K/V. key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping:
-        [num_tokens] int64."""
+        [num_tokens] int64. An fp8 cache also gets ``k_scale=``, ``v_scale=`` (floats): store
+        ``x / scale`` clamped to +-448."""
 
     @abstractmethod
     def forward(
@@ -76,5 +116,6 @@ class AttentionBackend(ABC):
         """Causal attention of the new tokens over their whole context (already written).
 
         query: [num_tokens, num_heads, head_dim]; num_heads is a multiple of num_kv_heads (GQA).
-        Returns [num_tokens, num_heads, head_dim] in query's dtype.
+        Returns [num_tokens, num_heads, head_dim] in query's dtype. An fp8 cache also gets
+        ``k_scale=``, ``v_scale=`` (floats): K and V read as ``float(entry) * scale``.
         """

@@ -1,9 +1,13 @@
 """``pagebatch bench throughput|latency``: offline benchmarks, optionally side by side with
 Hugging Face transformers (``--compare hf``, run in a separate process on the same workload).
 
-throughput: N prompts of random token ids (fixed lengths), EOS ignored, greedy; reports output
-tokens per second over the whole run. latency: one request at a time; reports decode tokens per
-second (output tokens after the first, over the time after the first) and TTFT.
+throughput: N prompts of random token ids, input and output lengths fixed or uniform in a range
+(``--input-len-min`` / ``--output-len-min``), EOS ignored, greedy; reports output tokens per
+second over the whole run. ``--preset nanovllm`` is nano-vllm's bench.py workload exactly:
+``random.seed(0)``; 256 prompts of ``randint(100, 1024)`` ids each ``randint(0, 10000)``, then
+256 output lengths ``randint(100, 1024)`` (133,966 output tokens). latency: one request at a
+time; reports decode tokens per second (output tokens after the first, over the time after the
+first) and TTFT.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
         p.add_argument("--num-prompts", type=int, default=16 if kind == "throughput" else 1)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=64)
+        p.add_argument("--input-len-min", type=int, default=None,
+                       help="input lengths uniform in [this, --input-len] (default: fixed)")
+        p.add_argument("--output-len-min", type=int, default=None,
+                       help="output lengths uniform in [this, --output-len] (default: fixed)")
+        p.add_argument("--preset", choices=["nanovllm"], default=None,
+                       help="a named workload (overrides prompts and lengths)")
         p.add_argument("--num-iters", type=int, default=1 if kind == "throughput" else 3)
         p.add_argument("--compare", choices=["hf"], default=None,
                        help="also run transformers generate on the same workload")
@@ -53,21 +63,44 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randint(100, hi) for _ in range(input_len)] for _ in range(num)]
 
 
-def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]], output_len: int,
-                    num_iters: int) -> dict[str, Any]:
+def make_workload(args: argparse.Namespace, vocab: int,
+                  seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output length of each) for the bench arguments."""
+    if getattr(args, "preset", None) == "nanovllm":
+        rng = random.Random(0)  # nano-vllm's bench.py seeds the global stream with 0
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+                   for _ in range(256)]
+        return prompts, [rng.randint(100, 1024) for _ in range(256)]
+    rng = random.Random(seed)
+    hi = min(vocab, 10000) - 1
+    in_lo = args.input_len_min or args.input_len
+    out_lo = args.output_len_min or args.output_len
+    prompts = [[rng.randint(100, hi) for _ in range(rng.randint(in_lo, args.input_len))]
+               for _ in range(args.num_prompts)]
+    return prompts, [rng.randint(out_lo, args.output_len) for _ in prompts]
+
+
+def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
+                    output_len: int | list[int], num_iters: int) -> dict[str, Any]:
     from .engine import LLMEngine
     from .request import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     startup = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    out_lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
+    params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in set(out_lens)}
+    sp_of = {i: params[n] for i, n in enumerate(out_lens)}
 
     def run(batch: list[list[int]]) -> tuple[float, float, int]:
         ttft = None
         start = time.perf_counter()
-        for p in batch:
-            engine.add_request({"prompt_token_ids": p}, sp)
+        for i, p in enumerate(batch):
+            core_req, state = engine.prepare({"prompt_token_ids": p}, sp_of[i])
+            if kind == "throughput":  # latency's TTFT needs the first output
+                state.want_final_only()
+            engine.submit(core_req, state)
         n_out = 0
         while engine.has_unfinished_requests:
             outs = engine.step()
@@ -76,8 +109,20 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]], o
             n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         return time.perf_counter() - start, ttft or 0.0, n_out
 
-    run(prompts[:1])  # warm-up
-    res: dict[str, Any] = {"engine": "pagebatch", "startup_s": round(startup, 2)}
+    # warm-up: throughput runs a quarter of the workload (Triton compiles the kernel variants
+    # a workload meets on first use; the time is reported as warmup_s), latency one request
+    # (prompts shifted by one id: the timed run must not hit the prefix cache it leaves)
+    t0 = time.perf_counter()
+    warm = [[t - 1 if t else 1 for t in p] for p in prompts]
+    run(warm[:max(1, len(warm) // 4)] if kind == "throughput" else warm[:1])
+    res: dict[str, Any] = {"engine": "pagebatch", "startup_s": round(startup, 2),
+                           "warmup_s": round(time.perf_counter() - t0, 2)}
+    runner = getattr(engine.core, "runner", None)  # in this process (no client)
+    if runner is not None:
+        model = runner.model
+        res["weights_gb"] = round(sum(t.numel() * t.element_size() for t in
+                                      [*model.parameters(), *model.buffers()]) / 1e9, 3)
+        res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
     if kind == "throughput":
         times = [run(prompts) for _ in range(num_iters)]
         elapsed = min(t[0] for t in times)
@@ -86,9 +131,22 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]], o
     else:
         runs = [run([p]) for p in prompts for _ in range(num_iters)]
         ttft = sorted(r[1] for r in runs)[len(runs) // 2]
-        decode = sorted((output_len - 1) / (r[0] - r[1]) for r in runs)[len(runs) // 2]
+        decode = sorted((r[2] - 1) / (r[0] - r[1]) for r in runs)[len(runs) // 2]
         res.update(ttft_s=ttft, decode_tok_s=decode)
+    engine.shutdown()  # give the device back before --compare runs the other engine
+    engine = None
+    _free_device_memory()
     return res
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -101,13 +159,18 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
     source = resolve_model(config.model, config.load_format)
     vocab = int(load_hf_config(source.folder).vocab_size)
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab, config.seed)
-    results = [bench_pagebatch(config, args.bench_kind, prompts, args.output_len, args.num_iters)]
+    prompts, out_lens = make_workload(args, vocab, config.seed)
+    results = [bench_pagebatch(config, args.bench_kind, prompts, out_lens, args.num_iters)]
+    results[0]["workload_output_tokens"] = sum(out_lens)
     if args.compare == "hf":
+        if len(set(out_lens)) > 1 or len({len(p) for p in prompts}) > 1:
+            print("--compare hf runs fixed-length workloads only (static batches)",
+                  file=sys.stderr)
+            return 2
         job = {"folder": str(source.folder), "kind": args.bench_kind, "prompts": prompts,
                "output_len": args.output_len, "num_iters": args.num_iters,
                "batch_size": args.hf_batch_size or len(prompts), "device": config.device,
-               "dtype": config.dtype}
+               "dtype": config.dtype, "load_format": config.load_format}
         proc = subprocess.run([sys.executable, "-m", "pagebatch.bench_hf"],
                               input=json.dumps(job), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -123,8 +186,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    print(f"\n{args.bench_kind}: {args.num_prompts} prompts x {args.input_len} in / "
-          f"{args.output_len} out")
+    if getattr(args, "preset", None):
+        print(f"\n{args.bench_kind}: the {args.preset} workload")
+    else:
+        print(f"\n{args.bench_kind}: {args.num_prompts} prompts x {args.input_len} in / "
+              f"{args.output_len} out")
     if args.bench_kind == "throughput":
         print(f"{'engine':<14}{'output tok/s':>14}{'elapsed s':>12}")
         for r in results:

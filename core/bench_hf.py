@@ -19,7 +19,14 @@ def main() -> None:
     dtype = job["dtype"]
     if dtype == "auto":
         dtype = "bfloat16" if dev == "cuda" else "float32"
-    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=getattr(torch, dtype))
+    if job.get("load_format") == "dummy":  # random weights at the config's shapes, made on dev
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(job["folder"])
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=getattr(torch, dtype))
     model.to(dev).eval()
     out_len = job["output_len"]
 

@@ -152,7 +152,11 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
 
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    import logging
+
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
 
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get(
         "PAGEBATCH_API_KEY")

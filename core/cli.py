@@ -1,4 +1,4 @@
-"""The ``pagebatch`` command: generate | serve | bench | plugins, plus frontend plugins' own.
+"""The ``pagebatch`` command: generate | serve | bench | quantize | plugins, and frontends' own.
 
 Engine keys are options of every engine subcommand (``--max-num-seqs 64``) and keys of the
 ``--config FILE`` YAML; the command line wins over the file, the file over defaults.
@@ -35,16 +35,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_cli_options(p, _engine_options())
 
 
+_MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
     from .request import SamplingParams
 
     config = _config_from_args(args)
     engine = LLMEngine(config)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                            stop=args.stop or None, seed=args.sampling_seed)
+    # sampling options not given come from the model's generation_config.json (as vLLM)
+    given = {k: getattr(args, k) for k in _MODEL_DEFAULTED if getattr(args, k) is not None}
+    params = SamplingParams(**{**engine.sampling_defaults, **given,
+                               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                               "stop": args.stop or None, "seed": args.sampling_seed})
     for text in args.prompt:
         prompt = (engine.chat_prompt([{"role": "user", "content": text}]) if args.chat
                   else text)
@@ -77,6 +81,46 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _config_from_args(args))
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from pagebatch.quant.calibrate import QuantizeSpec, quantize
+
+    spec = QuantizeSpec(method=args.method, bits=args.bits, group_size=args.group_size,
+                        sym=args.sym, act_order=args.act_order, rtn=args.rtn,
+                        clip=args.clip, damp_percent=args.damp_percent,
+                        calib_file=args.calib_file, num_samples=args.num_samples,
+                        seq_len=args.seq_len, seed=args.seed)
+    out = quantize(args.model, args.out_dir, spec, device=args.device)
+    print(out, flush=True)
+    return 0
+
+
+def _add_quantize_parser(sub) -> None:
+    from pagebatch.quant.calibrate import QuantizeSpec as D  # the defaults
+
+    q = sub.add_parser("quantize", help="write an AWQ / GPTQ / int8 checkpoint from calibration "
+                       "text (AutoAWQ / AutoGPTQ formats)")
+    q.add_argument("model", metavar="MODEL", help="model name or Hugging Face folder")
+    q.add_argument("out_dir", metavar="OUT_DIR", help="folder to write")
+    q.add_argument("--method", required=True, choices=["awq", "gptq", "int8"])
+    q.add_argument("--bits", type=int, default=D.bits, help="4 (awq), 4 or 8 (gptq)")
+    q.add_argument("--group-size", type=int, default=D.group_size,
+                   help="input columns per group; -1: one group per row")
+    q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric grid (default: gptq yes, awq no, i.e. zero points)")
+    q.add_argument("--act-order", action="store_true", help="GPTQ desc_act (writes g_idx)")
+    q.add_argument("--rtn", action="store_true", help="round to nearest, no calibration")
+    q.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="AWQ's clipping search")
+    q.add_argument("--damp-percent", type=float, default=D.damp_percent,
+                   help="GPTQ Hessian damping")
+    q.add_argument("--calib-file", help="calibration text (default: the shipped English text)")
+    q.add_argument("--num-samples", type=int, default=D.num_samples, help="calibration windows")
+    q.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per calibration window")
+    q.add_argument("--seed", type=int, default=D.seed, help="seed of the window offsets")
+    q.add_argument("--device", default="cpu", help="torch device for the calibration forward")
+    q.set_defaults(func=_cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagebatch", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO",
@@ -88,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    for flag, kind, default in (("--temperature", float, 1.0), ("--top-p", float, 1.0),
+                                ("--top-k", int, 0), ("--min-p", float, 0.0),
+                                ("--repetition-penalty", float, 1.0)):
+        g.add_argument(flag, type=kind, default=None, help=f"default: the model's "
+                       f"generation_config.json, else {default}")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request sampling seed (--seed seeds the engine)")
@@ -101,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list plugins, versions and what they register")
     p.set_defaults(func=_cmd_plugins)
+    _add_quantize_parser(sub)
 
     from .bench import add_bench_parser
 

@@ -119,7 +119,17 @@ def _opt(name: str, default: Any, help: str, parse: Callable = str, **kw: Any) -
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 = e4m3 with per-layer scales
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def _positive_float(v: Any) -> float:
+    x = float(v)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError("must be a positive number")
+    return x
+GENERATION_CONFIGS = ("auto", "vllm", "none")
 
 
 @dataclass
@@ -146,8 +156,8 @@ class EngineConfig:
                      parse_int())
     generation_config: str = _opt("generation_config", "auto",
                                   "auto: a model's generation_config.json sets sampling "
-                                  "defaults; vllm: ignore it.", _choice(("auto", "vllm")),
-                                  choices=("auto", "vllm"))
+                                  "defaults; vllm or none: ignore it.",
+                                  _choice(GENERATION_CONFIGS), choices=GENERATION_CONFIGS)
     # cache
     block_size: int = _opt("block_size", 16, "Tokens per KV cache block.", parse_int(1))
     gpu_memory_utilization: float = _opt("gpu_memory_utilization", 0.9,
@@ -163,8 +173,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt("enable_prefix_caching", True,
                                        "Reuse the KV of cached prompt prefixes (hashed blocks).",
                                        parse_bool)
-    kv_cache_dtype: str = _opt("kv_cache_dtype", "auto", "KV cache dtype; auto = model dtype.",
-                               _choice(("auto",)), choices=("auto",))
+    kv_cache_dtype: str = _opt("kv_cache_dtype", "auto",
+                               "KV cache dtype: auto = model dtype; fp8 (fp8_e4m3) = e4m3 with "
+                               "per-layer scales, twice the tokens of bf16.",
+                               _choice(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES)
     # scheduler
     scheduling_policy: str = _opt("scheduling_policy", "fcfs",
                                   "Scheduling policy plugin name (fcfs, ...).")
@@ -181,9 +193,29 @@ class EngineConfig:
     quantization: str | None = _opt("quantization", None,
                                     "Quant method plugin; default: the checkpoint's, else fp16.",
                                     _optional(str))
+    async_scheduling: bool | None = _opt(
+        "async_scheduling", None,
+        "Schedule step N+1 while step N runs on the GPU; default: on with CUDA.",
+        _optional(parse_bool))
+    enforce_eager: bool = _opt("enforce_eager", False,
+                               "Run every step eagerly: no CUDA graphs for decode steps.",
+                               parse_bool)
     attention_backend: str | None = _opt(
         "attention_backend", None,
         "Attention backend plugin; default triton on CUDA, torch_ref on CPU.", _optional(str))
+    # parallelism (docs/parallel.md)
+    tensor_parallel_size: int = _opt("tensor_parallel_size", 1,
+                                     "Ranks that split each layer (tensor parallel).",
+                                     parse_int(1))
+    pipeline_parallel_size: int = _opt("pipeline_parallel_size", 1,
+                                       "Pipeline stages the layers are split into.",
+                                       parse_int(1))
+    distributed_backend: str = _opt("distributed_backend", "auto",
+                                    "torch.distributed backend: auto = nccl on cuda, gloo on "
+                                    "cpu.", _choice(DIST_BACKENDS), choices=DIST_BACKENDS)
+    distributed_timeout: float = _opt("distributed_timeout", 60.0,
+                                      "Seconds a collective or a worker may take before the "
+                                      "engine fails instead of waiting.", _positive_float)
     # options declared by plugins: name -> value
     plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
 

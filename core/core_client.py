@@ -120,8 +120,8 @@ class MPClient(EngineCoreClient):
 
     As with any "spawn" child, a script that builds one must guard its entry point with
     ``if __name__ == "__main__":``. The process is daemonic (multiprocessing also ends it at
-    exit), so it cannot start multiprocessing children of its own: tensor-parallel workers
-    under the core will need daemon=False and this class's own cleanup.
+    exit), except with tensor/pipeline parallelism: a daemonic process cannot start the worker
+    processes, so it is then stopped by this class's own cleanup alone.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -132,7 +132,8 @@ class MPClient(EngineCoreClient):
         log_level = logging.getLogger("pagebatch").getEffectiveLevel()
         self.proc = ctx.Process(target=run_engine_core, name="pagebatch-engine-core",
                                 args=(config, core_in, core_out, os.getpid(), log_level),
-                                daemon=True)
+                                daemon=config.tensor_parallel_size
+                                * config.pipeline_parallel_size == 1)
         self.proc.start()
         core_in.close()  # the child holds the only copies now: its death is EOF here
         core_out.close()

@@ -11,7 +11,9 @@ The process talks to `MPClient` (core/core_client.py) over two one-way pipes of 
 - front -> core: `EngineCoreRequest` | `EngineCoreAbort` | `EngineCoreShutdown`, read by a
   thread into the inbox (so the front half's sends never wait for a step);
 - core -> front: ``("ready", info)`` once, or ``("startup_error", exc, traceback)`` and exit;
-  then ``("outputs", [EngineCoreOutput, ...], EngineCoreStats)`` per turn that has outputs, and
+  then ``("outputs", [EngineCoreOutput, ...], EngineCoreStats)`` per turn (every turn runs a
+  step or applies messages; a step that finished no token, such as a prefill chunk, sends an
+  empty list, so the front half's stats, e.g. the step counter, never lag a step behind), and
   ``("error", exc, traceback)`` before exiting on an unexpected error.
 
 The process exits on `EngineCoreShutdown`, and when the front half dies or closes its end: the
@@ -100,6 +102,10 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
     logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     logging.getLogger("pagebatch").setLevel(log_level)
     try:
+        from .distributed.executor import MultiprocExecutor
+
+        # a dead worker stops this process even when a collective never returns (NCCL)
+        MultiprocExecutor.hard_exit_on_worker_death = True
         core = EngineCore.from_config(config, registry())
     except BaseException as e:  # typed errors go back to the front half as they are
         _send_error(output_conn, "startup_error", e)
@@ -112,8 +118,8 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
                                     "max_model_len": core.max_model_len}))
         while not loop.stopped:
             outputs = loop.run_once()
-            if outputs:
-                output_conn.send(("outputs", outputs, core.stats()))
+            if outputs or not loop.stopped:  # a prefill chunk's step has no outputs, but its
+                output_conn.send(("outputs", outputs, core.stats()))  # stats are news
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass  # the front half is gone: nobody to report to
     except BaseException as e:

@@ -253,7 +253,9 @@ class LLMEngine:
                 logger.exception("output processing of request %r failed", o.request_id)
                 to_abort += self._fail(rid, f"{type(e).__name__}: {e}")
             touched[rid] = None
-        results = [self._request_output(rid) for rid in touched]
+        states = self._states
+        results = [self._request_output(rid) for rid in touched
+                   if not states[rid].final_only or states[rid].finished]
         if to_abort:
             self.core.abort_requests(to_abort)
         return results

@@ -4,23 +4,31 @@ It takes `EngineCoreRequest`s and aborts, runs steps, and returns `EngineCoreOut
 token ids and finish reasons). It knows no text: tokenizing and detokenizing belong to the front
 half (core/engine.py). Everything crossing this boundary is plain data, so the core runs in the
 front half's process (``LLM``, tests) or in its own (core/core_client.py, core/core_proc.py).
+
+The model runs behind an `Executor` (core/executor.py): one runner in this process, or the ranks
+of tensor/pipeline parallelism (core/distributed/). An executor that runs steps concurrently
+(``max_concurrent_batches`` > 1: pipeline stages) gets that many steps in flight from the
+core's batch queue, each holding only requests that no earlier step in flight holds.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import EngineConfig, check_token_budget
-from .errors import ConfigError
+from .errors import ConfigError, EngineDeadError
+from .executor import StepHandle, build_executor
 from .kv_cache import KVCacheManager
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
-from .model_runner import ModelRunner, SamplingState
+from .model_runner import RunnerOutput, SamplingState
 from .registry import Registry, registry as default_registry
-from .request import FinishReason, LogprobsLists, Request, SamplingParams
-from .scheduler import Scheduler
+from .request import FinishReason, LogprobsLists, Request, RequestStatus, SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -140,27 +148,48 @@ def _cap_max_model_len(max_model_len: int, hf_config: Any, registry: Registry) -
     return max_model_len
 
 
+@dataclass
+class _InFlight:
+    """A step started and not yet updated from. ``sampling``: request id -> (request, its
+    preemption count) at schedule time, for each row that samples (kept only with several
+    steps in flight, where a request can be preempted and re-admitted before the step's
+    token arrives: such a stale token is dropped)."""
+
+    handle: StepHandle
+    so: SchedulerOutput
+    sampling: dict[str, tuple[Request, int]] | None = None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config,
                  registry: Registry, max_model_len: int, max_num_batched_tokens: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(config, source, hf_config, registry, max_model_len,
-                                  max_num_batched_tokens)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor = build_executor(config, source, hf_config, registry, max_model_len,
+                                       max_num_batched_tokens)
+        self.runner = self.executor.driver_runner  # rank 0's under parallelism
+        try:
+            num_blocks = self.executor.initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._batch_queue: deque[_InFlight] = deque()
+        self._max_in_flight = self.executor.max_concurrent_batches
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
                                        enable_caching=config.enable_prefix_caching)
         policy = registry.scheduling_policy(config.scheduling_policy)(config)
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   async_decode=self.executor.async_decode)
         self._times = EngineCoreStats()  # only its per-request time lists are used
+        gc.collect()
+        gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); maximum "
                     "concurrency at max_model_len=%d: %.2fx", num_blocks, config.block_size,
                     tokens, num_blocks * self.runner.kv_bytes_per_block / 2**30,
-                    str(self.runner.dtype).removeprefix("torch."), max_model_len,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."), max_model_len,
                     tokens / max_model_len)
 
     @classmethod
@@ -175,10 +204,11 @@ class EngineCore:
                    setup.max_num_batched_tokens)
 
     def shutdown(self) -> None:
-        """Finish every request (no outputs) and drop the KV cache tensors; the core is unusable
-        afterwards."""
+        """Finish every request (no outputs), stop the executor's workers and drop the KV cache
+        tensors; the core is unusable afterwards."""
         self.scheduler.abort_requests(list(self.scheduler.requests))
-        self.runner.kv_caches = []
+        self._batch_queue.clear()
+        self.executor.shutdown()
 
     def stats(self) -> EngineCoreStats:
         """The core's state now, and the per-request times recorded since the last call."""
@@ -195,7 +225,7 @@ class EngineCore:
                       self.max_model_len, r.arrival_time, r.priority, cache_salt=r.cache_salt,
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
         self.scheduler.add_request(req)  # first: it rejects an id in use
-        self.runner.add_request_state(r.request_id, SamplingState.from_params(
+        self.executor.add_request_state(r.request_id, SamplingState.from_params(
             sp, r.seed, r.prompt_token_ids, r.eos_token_ids))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -204,7 +234,8 @@ class EngineCore:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        """Requests not finished, or steps still in flight (their results must be taken)."""
+        return self.scheduler.has_unfinished_requests or bool(self._batch_queue)
 
     def _drain_rejected(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
@@ -219,30 +250,79 @@ class EngineCore:
         return out
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute, sample, update. A failure of the model step finishes the requests
-        of that step with reason ``error``; the engine goes on with the others."""
-        so = self.scheduler.schedule()
+        """Schedule a step and start it, then return the outputs of the oldest step in flight
+        (vLLM v1's ``step_with_batch_queue``). With one step at a time (a single rank, TP):
+        schedule, execute, sample, update. With ``max_concurrent_batches`` > 1 (pipeline
+        stages) the call returns at once while fewer steps are in flight and something new
+        could be scheduled; otherwise it waits for the oldest.
+
+        A failure of a step finishes its requests with reason ``error`` and the engine goes on
+        with the others; raises EngineDeadError when the executor cannot run steps any more
+        (a parallel worker died)."""
+        outputs: list[EngineCoreOutput] = []
+        queue = self._batch_queue
+        if len(queue) < self._max_in_flight:
+            so = self.scheduler.schedule()
+            self._mark_scheduled(so)
+            outputs = self._drain_rejected()
+            try:  # an empty step still tells the runners which requests finished
+                handle = self.executor.execute_model(so)
+            except EngineDeadError:
+                raise
+            except Exception as e:  # one bad step must not kill the engine
+                return outputs + self._fail_step(so, e)
+            if not so.is_empty:
+                queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
+                if len(queue) < self._max_in_flight:
+                    return outputs
+        if not queue:
+            return outputs
+        step = queue.popleft()
+        try:
+            result = step.handle.result()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            return outputs + self._fail_step(step.so, e)
+        return outputs + self._update(step, result)
+
+    def _mark_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
         for sr in so.scheduled:
             req = self.scheduler.requests.get(sr.request_id)
             if req is not None and req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self._times.queue_times.append(now - req.arrival_time)
-        rejected = self._drain_rejected()
-        try:
-            sampled = self.runner.execute(so)
-        except Exception as e:  # one bad step must not kill the engine
-            logger.exception("model step failed; finishing its %d requests with an error",
-                             len(so.scheduled))
-            ids = [sr.request_id for sr in so.scheduled]
-            reqs = self.scheduler.abort_requests(ids)
-            msg = f"{type(e).__name__}: {e}"
-            return rejected + [EngineCoreOutput(r.request_id, [], FinishReason.ERROR.value, msg)
-                    for r in reqs]
-        outputs = rejected
-        lps, prompt_lps = self.runner.step_logprobs, self.runner.step_prompt_logprobs
+
+    def _sampling_snapshot(self, so: SchedulerOutput) -> dict[str, tuple[Request, int]] | None:
+        if self._max_in_flight == 1:
+            return None
+        reqs = self.scheduler.requests
+        return {sr.request_id: (reqs[sr.request_id], reqs[sr.request_id].num_preemptions)
+                for sr in so.scheduled if sr.sample}
+
+    def _fail_step(self, so: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
+        logger.exception("model step failed; finishing its %d requests with an error",
+                         len(so.scheduled))
+        reqs = self.scheduler.abort_requests([sr.request_id for sr in so.scheduled])
+        msg = f"{type(e).__name__}: {e}"
+        return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR.value, msg) for r in reqs]
+
+    def _update(self, step: _InFlight, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append the step's sampled tokens to their requests and build the outputs."""
+        sampled, lps, prompt_lps = result.sampled, result.logprobs, result.prompt_logprobs
+        if step.sampling is not None:  # drop tokens of requests preempted or replaced since
+            reqs = self.scheduler.requests
+            sampled = {rid: t for rid, t in sampled.items()
+                       if (snap := step.sampling.get(rid)) is not None
+                       and reqs.get(rid) is snap[0] and (
+                           snap[0].num_preemptions == snap[1]
+                           # preempted and still waiting: the token is good (its KV will be
+                           # recomputed with it); dropped only once the request runs again
+                           or snap[0].status == RequestStatus.PREEMPTED)}
+        outputs = []
         now = time.monotonic()
-        for req, new in self.scheduler.update_from_output(so, sampled):
+        for req, new in self.scheduler.update_from_output(step.so, sampled):
             self._record_times(req, now)
             reason = req.finish_reason.value if req.is_finished else None
             outputs.append(EngineCoreOutput(req.request_id, new, reason,

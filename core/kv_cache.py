@@ -216,6 +216,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as block ids
         self.req_num_cached: dict[str, int] = {}  # blocks of each request registered so far
         self.stats = PrefixCacheStats()
 
@@ -289,6 +290,12 @@ class KVCacheManager:
         """
         have = self.req_blocks.get(request_id)
         held = len(have) if have else 0
+        if not new_computed_blocks and num_tokens <= held * self.block_size:
+            # the common decode step: the table already covers it (no pool work)
+            if (self.enable_caching and block_hashes
+                    and num_tokens // self.block_size > self.req_num_cached.get(request_id, 0)):
+                self._cache_full_blocks(request_id, have, block_hashes, num_tokens)
+            return []
         need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need + revived > self.num_free_blocks:
@@ -299,6 +306,9 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request_id, [])
         blocks.extend(new_computed_blocks)
         blocks.extend(new)
+        ids = self.req_block_ids.setdefault(request_id, [])
+        ids.extend(b.block_id for b in new_computed_blocks)
+        ids.extend(b.block_id for b in new)
         if self.enable_caching and block_hashes:
             self._cache_full_blocks(request_id, blocks, block_hashes, num_tokens)
         return [b.block_id for b in new]
@@ -313,11 +323,14 @@ class KVCacheManager:
             self.req_num_cached[request_id] = full
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table as block ids. The list is the manager's own (no copy per
+        step): read it before the next allocation, never change it."""
+        return self.req_block_ids.get(request_id, [])
 
     def free(self, request_id: str) -> None:
         """Return every block of the request (tail first). Freeing an unknown id is a no-op."""
         self.req_num_cached.pop(request_id, None)
+        self.req_block_ids.pop(request_id, None)
         blocks = self.req_blocks.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))

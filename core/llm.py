@@ -61,6 +61,7 @@ class LLM:
         prepared = [self.engine.prepare(p, sp, priority=pr)
                     for p, sp, pr in zip(prompts, params, prios)]
         for core_req, state in prepared:
+            state.want_final_only()  # generate returns finished outputs only
             self.engine.submit(core_req, state)
         order = {core_req.request_id: i for i, (core_req, _) in enumerate(prepared)}
         return self._run(order, use_tqdm)

@@ -115,9 +115,41 @@ def eos_token_ids(folder: Path, hf_config: Any, tokenizer: Any | None) -> frozen
     return frozenset(ids)
 
 
+# quantization scales keep their checkpoint dtype (fp16 AWQ/GPTQ scales, fp32 int8/fp8 scales
+# would lose bits in bf16); the quant method converts them
+_KEEP_DTYPE_SUFFIXES = (".scales", ".weight_scale", ".input_scale")
+
+
+def select_quantization(requested: str | None, hf_config: Any,
+                        folder: Path) -> tuple[str, dict | None]:
+    """(quant method name, the checkpoint's quantization config or None).
+
+    The checkpoint's config is config.json ``quantization_config``, else quantize_config.json
+    (AutoGPTQ: method ``gptq``) or quant_config.json (older AutoAWQ: ``awq``). ``requested``
+    (the ``quantization`` key) wins when the checkpoint has none (a 16-bit checkpoint quantized
+    at load); raises ConfigError when it names another method than the checkpoint's."""
+    hf = getattr(hf_config, "quantization_config", None)
+    if hf is not None and not isinstance(hf, dict):
+        hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    if hf is None:
+        for fname, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            if (folder / fname).is_file():
+                hf = {"quant_method": method, **json.loads((folder / fname).read_text())}
+                break
+    found = str(hf.get("quant_method") or "") if hf else ""
+    if hf and not found:
+        raise ConfigError("the checkpoint's quantization_config has no quant_method")
+    if requested and found and requested != found:
+        raise ConfigError(f"quantization={requested!r} but the checkpoint is quantized with "
+                          f"quantization_config.quant_method={found!r}; drop the key or set it "
+                          f"to {found!r}")
+    return requested or found or "fp16", hf
+
+
 def iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every *.safetensors file in the folder, cast to ``dtype`` one by one
-    (floating tensors only). Raises ModelNotFoundError when there are none."""
+    (16/32-bit floating tensors only, and not quantization scales). Raises
+    ModelNotFoundError when there are none."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -127,4 +159,6 @@ def iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, to
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)
-                yield name, (t.to(dtype) if t.is_floating_point() else t)
+                cast = (t.is_floating_point() and t.element_size() > 1
+                        and not name.endswith(_KEEP_DTYPE_SUFFIXES))
+                yield name, (t.to(dtype) if cast else t)

@@ -2,38 +2,43 @@
 `SchedulerOutput` into one flattened batch, runs the model and samples.
 
 Per step the batch is: input ids and positions [T], slot mapping [T], query start locations
-[B+1], sequence lengths [B], block tables [B, max_blocks] and the rows whose logits are sampled
-(plus, for requests that ask for prompt log-probs, their prompt rows).
+[B+1], sequence lengths [B], block tables [B, W] and the rows whose logits are sampled (plus, for
+requests that ask for prompt log-probs, their prompt rows). They are kept in a persistent
+`InputBatch` (core/input_batch.py) and reach the device in one pinned copy; decode-only steps
+replay CUDA graphs (core/cuda_graphs.py); `execute_async` launches a step without waiting for
+it, `collect` reads its results back (core/step_results.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, resolve_kv_cache_dtype
+from .cuda_graphs import CUDAGraphs
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
+from .input_batch import InputBatch
+from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
 from .layers.linear import LinearBase
-from .model_loader import ModelSource, architecture, iter_safetensors
+from .model_loader import ModelSource, architecture, iter_safetensors, select_quantization
 from .registry import Registry
-from .request import LogprobsLists
-from .sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from .sampler import Sampler
 from .sampling_state import SamplingState, SamplingStates
-from .scheduler import ScheduledRequest, SchedulerOutput
+from .scheduler import SchedulerOutput
+from .step_results import (LaunchedStep, RunnerOutput, collect, prompt_logprobs,
+                           prompt_logprobs_job, start_copy_back)
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 2**30
-PROMPT_LOGPROBS_CHUNK = 512  # prompt rows per logits computation (bounds [rows, vocab] memory)
 
-__all__ = ["ModelRunner", "SamplingState", "resolve_device", "resolve_dtype"]
+__all__ = ["ModelRunner", "RunnerOutput", "SamplingState", "resolve_device", "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,24 +55,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass
-class _PromptLogprobsJob:
-    """Prompt log-prob rows of one request in this step: flattened rows ``row0 ..
-    row0 + len(targets) - 1`` predict prompt tokens ``targets``, the first at prompt index
-    ``start``."""
-
-    request_id: str
-    row0: int
-    start: int
-    targets: list[int]
-    num: int
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
-                 registry: Registry, max_model_len: int, max_num_batched_tokens: int):
+                 registry: Registry, max_model_len: int, max_num_batched_tokens: int,
+                 parallel: ParallelContext | None = None):
+        """``parallel``: this rank's place in tensor/pipeline parallelism (core/distributed/);
+        None for a single rank. Its model holds this rank's part of the weights and KV heads,
+        and of the layers of its pipeline stage."""
         self.config = config
+        self.parallel = parallel or ParallelContext.single()
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.parallel.world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -79,10 +78,17 @@ class ModelRunner:
         reason = self.attn_backend.supports(self.device, self.dtype)
         if reason:
             raise ConfigError(f"attention_backend={backend_name!r} cannot run here: {reason}")
-        hf_quant = getattr(hf_config, "quantization_config", None)
-        quant_name = config.quantization or (hf_quant or {}).get("quant_method") or "fp16"
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        reason = self.attn_backend.supports_kv_cache_dtype(self.device, self.dtype,
+                                                           self.kv_cache_dtype)
+        if reason:
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} with "
+                              f"attention_backend={backend_name!r}: {reason}")
+        quant_name, hf_quant = select_quantization(config.quantization, hf_config,
+                                                   source.folder)
         quant = registry.quant_method(quant_name)(config, hf_quant)
-        ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len)
+        ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len,
+                           self.parallel)
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
         self.vocab_size = int(hf_config.vocab_size)
@@ -92,20 +98,31 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampling_states = SamplingStates(self.vocab_size, self.device)
-        # log-probs of the last `execute`, request id -> LogprobsLists (see `execute`)
-        self.step_logprobs: dict[str, LogprobsLists] = {}
-        self.step_prompt_logprobs: dict[str, LogprobsLists] = {}
+        max_blocks = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, max_blocks, self.block_size,
+                                      max_num_batched_tokens,
+                                      pin_memory=self.device.type == "cuda")
+        # the device buffer each step's inputs are copied into (CUDA graphs read it too)
+        self._step_buf = torch.zeros(self.input_batch.capacity, dtype=torch.int32,
+                                     device=self.device)
+        self.graphs: CUDAGraphs | None = None
+        # the last launched step's sampled ids [n] int64 on the device, and request id -> row
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        self._prompt_lp_ids: set[str] = set()  # requests that want prompt log-probs
 
     def _load_weights(self, source: ModelSource) -> None:
         if self.config.load_format == "dummy":
-            g = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            # drawn on the model's device: an 8B model's weights in seconds, not minutes
+            g = torch.Generator(device=self.device).manual_seed(self.config.seed)
             for name, p in self.model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.data.fill_(1.0)
-                else:
-                    p.data.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+                elif p.dtype.is_floating_point:
+                    p.data.normal_(0.0, 0.02, generator=g)
             for mod in self.model.modules():
-                if isinstance(mod, LinearBase):
+                if isinstance(mod, LinearBase):  # quantized formats draw their own
+                    mod.quant_method.load_dummy_weights(mod, g)
                     mod.quant_method.process_weights_after_loading(mod)
             return
         with torch.no_grad():
@@ -116,7 +133,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_layer = np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads,
                                                             m.head_dim))
         return int(per_layer) * elem * m.num_layers
@@ -152,6 +169,8 @@ class ModelRunner:
         lens = [n_max] * (num_tokens // n_max) + ([num_tokens % n_max] if num_tokens % n_max
                                                    else [])
         h = self._forward_scratch([list(range(n)) for n in lens])
+        if h is None:  # a pipeline stage before the last: no logits here
+            return
         rows = min(self.config.max_num_seqs, h.shape[0])
         self.model.compute_logits(h[-rows:]).sort(dim=-1)
 
@@ -187,7 +206,7 @@ class ModelRunner:
             qsl.append(qsl[-1] + len(s))
         cache = torch.empty(self.attn_backend.kv_cache_shape(
             offset, bs, self.model.num_kv_heads, self.model.head_dim),
-            dtype=self.dtype, device=self.device)
+            dtype=self.kv_cache_dtype, device=self.device)
         meta = self._metadata(np.concatenate(slots), qsl, [len(s) for s in seqs], tables)
         flat = [t for s in seqs for t in s]
         ids = torch.tensor(flat, dtype=torch.long, device=self.device) % self.vocab_size
@@ -206,9 +225,22 @@ class ModelRunner:
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
                                                  self.model.num_kv_heads, self.model.head_dim)
         # empty, not zeros: backends must mask slots past seq_len (they may hold anything)
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.use_cuda_graphs:
+            self.graphs = CUDAGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                self._step_buf, self.config.max_num_seqs, self.input_batch.max_blocks,
+                self.max_model_len)
+            self.graphs.capture()
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA, unless enforce_eager, with a backend that
+        supports capture."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.attn_backend.supports_cuda_graphs and self.parallel.pp_size == 1)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -232,136 +264,78 @@ class ModelRunner:
 
     def add_request_state(self, request_id: str, state: SamplingState) -> None:
         self.sampling_states.add(request_id, state)
+        if state.prompt_logprobs is not None:
+            self._prompt_lp_ids.add(request_id)
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its results (`execute_async` then `collect`)."""
+        return self.collect(self.execute_async(so))
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns request id -> sampled token id for rows with ``sample``.
-
-        Requests that ask for them also get log-probs, left until the next call in
-        ``step_logprobs`` (of the sampled token) and ``step_prompt_logprobs`` (of the prompt
-        positions computed in this step), request id -> `LogprobsLists`. Everything comes to
-        the host in one device-to-host copy.
-        """
-        self.step_logprobs, self.step_prompt_logprobs = {}, {}
+    def execute_async(self, so: SchedulerOutput) -> LaunchedStep:
+        """Launch one step: the sampled token of every request with ``sample``, and log-probs
+        for the requests that asked for them (of the sampled token; of the prompt positions
+        computed in this step). The step's inputs reach the device in one host-to-device copy
+        and the results start back in one device-to-host copy; nothing waits for the GPU, so
+        the caller can prepare the next step meanwhile (`collect` waits). Input tokens given as
+        PLACEHOLDER_TOKEN are taken on the device from this call's previous step's samples. A
+        decode-only step replays a CUDA graph when they are captured."""
         self.sampling_states.remove(so.finished_request_ids)
+        self._prompt_lp_ids.difference_update(so.finished_request_ids)
         if so.is_empty:
-            return {}
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        qsl, seq_lens, tables, logits_rows, sample_ids = [0], [], [], [], []
-        prompt_jobs: list[_PromptLogprobsJob] = []
-        for sr in so.scheduled:
-            job = self._prompt_logprobs_job(sr, qsl[-1])
-            if job is not None:
-                prompt_jobs.append(job)
-            n = len(sr.token_ids)
-            token_ids.extend(sr.token_ids)
-            pos = np.arange(sr.start_pos, sr.start_pos + n)
-            positions.append(pos)
-            table = np.asarray(sr.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(sr.start_pos + n)
-            tables.append(sr.block_ids)
-            if sr.sample:
-                logits_rows.append(qsl[-1] - 1)
-                sample_ids.append(sr.request_id)
-        meta = self._metadata(np.concatenate(slots), qsl, seq_lens, tables)
-        dev = self.device
-        ids_t = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        pos_np = np.concatenate(positions)
-        pos_t = torch.from_numpy(pos_np).to(dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        prompt_lp = self._prompt_logprobs(hidden, prompt_jobs) if prompt_jobs else None
+            self.input_batch.remove(so.finished_request_ids)
+            return LaunchedStep([])
+        inp = self.input_batch.prepare(so, self._graph_bucket, self._last_rows)
+        dev = self.input_batch.copy_to(self._step_buf, inp.layout)
+        v = inp.layout.views(dev)
+        if inp.num_fills:  # async scheduling: input tokens sampled by the previous step
+            k = inp.num_fills
+            v["input_ids"].index_copy_(0, v["fill_dst"][:k].long(), self._last_sampled.index_select(
+                0, v["fill_src"][:k].long()).to(torch.int32))
+        graph = inp.layout.num_seqs if inp.padded else None
+        if graph is not None:
+            hidden = self.graphs.replay(graph)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
+                seq_lens=v["seq_lens"], block_tables=v["block_tables"],
+                max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
+                query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens)
+            hidden = self.model(v["input_ids"], v["positions"], self.kv_caches, meta)
+            if hidden is None:  # a pipeline stage before the last sent its output on
+                return LaunchedStep([])
+        states = self.sampling_states.states
+        prompt_jobs = [] if not self._prompt_lp_ids else [
+            job for i, sr in enumerate(so.scheduled) if sr.request_id in self._prompt_lp_ids
+            and (job := prompt_logprobs_job(states.get(sr.request_id), sr,
+                                            inp.query_start_loc[i]))]
+        prompt_lp = (prompt_logprobs(self.model.compute_logits, hidden, prompt_jobs)
+                     if prompt_jobs else None)
+        sample_ids = inp.sample_ids
         tokens_t, sample_lp = None, None
         if sample_ids:
-            rows = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden[rows])
+            n = len(sample_ids)
+            h = hidden[:n] if graph is not None else hidden[v["logits_rows"][:n]]
+            logits = self.model.compute_logits(h)
             batch = self.sampling_states.batch(sample_ids,
-                                               [int(pos_np[r]) + 1 for r in logits_rows])
+                                               [p + 1 for p in inp.sample_positions])
             out = self.sampler(logits, batch)
             self.sampling_states.update(out.token_ids)
             tokens_t, sample_lp = out.token_ids, out.logprobs
-        if sample_lp is None and prompt_lp is None:
-            tokens = tokens_t.tolist() if tokens_t is not None else []  # the one D2H copy
-            return dict(zip(sample_ids, tokens))
-        return self._unpack(sample_ids, tokens_t, sample_lp, prompt_jobs, prompt_lp)
+            self._last_sampled = tokens_t
+            self._last_rows = {rid: i for i, rid in enumerate(sample_ids)}
+        h = LaunchedStep(sample_ids, tokens_t, sample_lp, prompt_jobs, prompt_lp)
+        if sample_lp is not None:  # widths now: a request may be gone when it is collected
+            states = self.sampling_states
+            h.logprob_widths = [(r, 1 + states[r].logprobs) for r in sample_ids
+                                if states[r].logprobs is not None]
+        return start_copy_back(h)
 
-    # ---- log-probs ----------------------------------------------------------------------------
+    def collect(self, h: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step and return its results on the host."""
+        return collect(h)  # core/step_results.py
 
-    def _prompt_logprobs_job(self, sr: ScheduledRequest, row0: int) -> _PromptLogprobsJob | None:
-        """The prompt log-prob rows of ``sr`` whose row starts at flattened row ``row0``: rows
-        at positions p (< num_prompt_tokens - 1) predict prompt token p + 1; each prompt index
-        is handed out once (a recompute after preemption skips those already sent)."""
-        st = self.sampling_states.states.get(sr.request_id)
-        if st is None or st.prompt_logprobs is None:
-            return None
-        first = max(sr.start_pos, st.next_prompt_logprob - 1)
-        end = min(sr.start_pos + len(sr.token_ids), st.num_prompt_tokens - 1)
-        if first >= end:
-            return None
-        st.next_prompt_logprob = end + 1
-        return _PromptLogprobsJob(sr.request_id, row0 + first - sr.start_pos, first + 1,
-                                  st.prompt_token_ids[first + 1:end + 1], st.prompt_logprobs)
+    def _graph_bucket(self, num_reqs: int) -> int | None:
+        """The CUDA-graph batch size for a decode-only step of ``num_reqs``, if captured."""
+        return None if self.graphs is None else self.graphs.bucket(num_reqs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         jobs: list[_PromptLogprobsJob]) -> LogprobsTensors:
-        """Log-probs of every job's prompt rows, PROMPT_LOGPROBS_CHUNK rows of logits at a
-        time, with the largest N of the jobs."""
-        dev = self.device
-        rows = torch.tensor([j.row0 + i for j in jobs for i in range(len(j.targets))],
-                            dtype=torch.long, device=dev)
-        targets = torch.tensor([t for j in jobs for t in j.targets], dtype=torch.long,
-                               device=dev)
-        num = max(j.num for j in jobs)
-        parts = []
-        for a in range(0, rows.shape[0], PROMPT_LOGPROBS_CHUNK):
-            r = rows[a:a + PROMPT_LOGPROBS_CHUNK]
-            lp = compute_logprobs(self.model.compute_logits(hidden[r]))
-            parts.append(gather_logprobs(lp, targets[a:a + PROMPT_LOGPROBS_CHUNK], num))
-        return LogprobsTensors(torch.cat([p.token_ids for p in parts]),
-                               torch.cat([p.logprobs for p in parts]),
-                               torch.cat([p.ranks for p in parts]))
-
-    def _unpack(self, sample_ids: list[str], tokens_t: torch.Tensor | None,
-                sample_lp: LogprobsTensors | None, jobs: list[_PromptLogprobsJob],
-                prompt_lp: LogprobsTensors | None) -> dict[str, int]:
-        """Bring sampled ids and log-probs to the host in one copy (packed as fp64, which holds
-        token ids and fp32 values exactly), fill ``step_logprobs`` / ``step_prompt_logprobs``
-        and return the sampled ids."""
-        parts: list[torch.Tensor] = [] if tokens_t is None else [tokens_t]
-        for lp in (sample_lp, prompt_lp):
-            if lp is not None:
-                parts += [lp.token_ids.flatten(), lp.logprobs.flatten(), lp.ranks]
-        host = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
-        n = 0 if tokens_t is None else tokens_t.shape[0]
-        tokens = host[:n].astype(np.int64).tolist()
-        off = n
-
-        def take(lp: LogprobsTensors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            nonlocal off
-            r, w = lp.token_ids.shape
-            ids = host[off:off + r * w].astype(np.int64).reshape(r, w)
-            vals = host[off + r * w:off + 2 * r * w].reshape(r, w)
-            ranks = host[off + 2 * r * w:off + 2 * r * w + r].astype(np.int64)
-            off += 2 * r * w + r
-            return ids, vals, ranks
-
-        if sample_lp is not None:
-            ids, vals, ranks = take(sample_lp)
-            wanting = [r for r in sample_ids if self.sampling_states[r].logprobs is not None]
-            for i, rid in enumerate(wanting):
-                w = 1 + self.sampling_states[rid].logprobs
-                self.step_logprobs[rid] = LogprobsLists(
-                    [ids[i, :w].tolist()], [vals[i, :w].tolist()], [int(ranks[i])])
-        if prompt_lp is not None:
-            ids, vals, ranks = take(prompt_lp)
-            a = 0
-            for j in jobs:
-                b, w = a + len(j.targets), 1 + j.num
-                self.step_prompt_logprobs[j.request_id] = LogprobsLists(
-                    ids[a:b, :w].tolist(), vals[a:b, :w].tolist(), ranks[a:b].tolist(), j.start)
-                a = b
-        return dict(zip(sample_ids, tokens))

@@ -97,6 +97,9 @@ class SampleState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text_end: int | None = None  # where a stop string cut the text
+        # final-only requests without stop strings decode their text once, at the end
+        self.defer_text = False
+        self._undecoded: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -117,7 +120,13 @@ class SampleState:
             if o.finish_reason == FinishReason.STOP.value and new and \
                     not self.params.include_stop_str_in_output:
                 text_ids = new[:-1]  # as vLLM: the stop token's (or EOS's) text is not shown
-            grew = bool(self.detok.add_tokens(text_ids, final=core_done))
+            if self.defer_text and self.stop is None and not core_done:
+                self._undecoded.extend(text_ids)
+                text_ids = None
+            elif self._undecoded:
+                text_ids, self._undecoded = self._undecoded + text_ids, []
+            grew = text_ids is not None and bool(self.detok.add_tokens(text_ids,
+                                                                        final=core_done))
             if self.stop is not None and grew:
                 active = len(self.token_ids) > self.params.min_tokens
                 stop_string = self.stop.check(self.detok.text, active)
@@ -162,6 +171,14 @@ class RequestState:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.error: str | None = None
+        self.final_only = False
+
+    def want_final_only(self) -> None:
+        """Only the final output is wanted (offline generate, vLLM's FINAL_ONLY): no per-step
+        `RequestOutput` (each one copies the token lists), text decoded once at the end."""
+        self.final_only = True
+        for s in self.samples:
+            s.defer_text = True
 
     @property
     def finished(self) -> bool:

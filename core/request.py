@@ -4,6 +4,7 @@ and the log-prob types `Logprob` (front half) and `LogprobsLists` (engine-core b
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -178,6 +179,8 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens being sampled by steps in flight (async scheduling): scheduled, not yet appended
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -201,7 +204,7 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
+    @functools.cached_property
     def max_tokens(self) -> int:
         mt = self.sampling_params.max_tokens
         room = self.max_total_tokens - self.num_prompt_tokens

@@ -85,11 +85,11 @@ class SamplingBatch:
     among them (each row's own N is cut on the host).
     """
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    positions: torch.Tensor
+    temperature: torch.Tensor | None  # the five are None when all_greedy
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    seeds: torch.Tensor | None
+    positions: torch.Tensor | None
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool

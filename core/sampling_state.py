@@ -118,12 +118,11 @@ class PenaltyState:
             if s.has_penalties and not s.penalty_slot:
                 self.assign(s)
         dev = self.device
-        slots = torch.tensor([s.penalty_slot for s in states], dtype=torch.long, device=dev)
+        slots = _to_device([s.penalty_slot for s in states], torch.long, dev)
         any_rep = any(s.repetition_penalty != 1.0 for s in states)
 
         def col(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(s, name) for s in states], dtype=torch.float32,
-                                device=dev)
+            return _to_device([getattr(s, name) for s in states], torch.float32, dev)
 
         return PenaltyBatch(
             output_counts=self.counts[slots],
@@ -135,6 +134,14 @@ class PenaltyState:
         """Count the sampled ids [n] int64 of rows ``slots`` [n] int64, on the device (slot 0,
         the rows without penalties, gets + 0)."""
         self.counts.index_put_((slots, sampled), (slots > 0).to(torch.int32), accumulate=True)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``; on CUDA through pinned memory without blocking
+    the host (a copy from pageable memory would wait for the GPU to drain)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class SamplingStates:
@@ -184,26 +191,29 @@ class SamplingStates:
         temps = [s.temperature for s in states]
         top_k = [s.top_k for s in states]
         top_p = [s.top_p for s in states]
-        batch = SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            all_greedy=all(t < GREEDY_EPS for t in temps),
-            any_top_k=any(0 < k < self.vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-        )
+        all_greedy = all(t < GREEDY_EPS for t in temps)
+        if all_greedy:  # argmax only: no per-row tensors (and no host-to-device copies)
+            batch = SamplingBatch(None, None, None, None, None, True, False, False)
+        else:
+            batch = SamplingBatch(
+                temperature=_to_device(temps, torch.float32, dev),
+                top_k=_to_device(top_k, torch.long, dev),
+                top_p=_to_device(top_p, torch.float32, dev),
+                seeds=_to_device([s.seed for s in states], torch.long, dev),
+                positions=_to_device(positions, torch.long, dev),
+                all_greedy=False,
+                any_top_k=any(0 < k < self.vocab_size for k in top_k),
+                any_top_p=any(p < 1.0 for p in top_p),
+            )
         if any(s.min_p > 0.0 and s.temperature >= GREEDY_EPS for s in states):
-            batch.min_p = torch.tensor([s.min_p for s in states], dtype=torch.float32,
-                                       device=dev)
+            batch.min_p = _to_device([s.min_p for s in states], torch.float32, dev)
         self._penalty_slots = None
         if any(s.has_penalties for s in states):
             batch.penalties, self._penalty_slots = self.penalties.batch(states)
         self._sparse_entries(batch, states, positions)
         lp_rows = [i for i, s in enumerate(states) if s.logprobs is not None]
         if lp_rows:
-            batch.logprob_rows = torch.tensor(lp_rows, dtype=torch.long, device=dev)
+            batch.logprob_rows = _to_device(lp_rows, torch.long, dev)
             batch.num_logprobs = max(states[i].logprobs for i in lp_rows)
         return batch
 
@@ -221,12 +231,12 @@ class SamplingStates:
                 m_ids.extend(s.min_tokens_ids)
         dev = self.device
         if b_rows:
-            batch.bias_rows = torch.tensor(b_rows, dtype=torch.long, device=dev)
-            batch.bias_token_ids = torch.tensor(b_ids, dtype=torch.long, device=dev)
-            batch.bias_values = torch.tensor(b_vals, dtype=torch.float32, device=dev)
+            batch.bias_rows = _to_device(b_rows, torch.long, dev)
+            batch.bias_token_ids = _to_device(b_ids, torch.long, dev)
+            batch.bias_values = _to_device(b_vals, torch.float32, dev)
         if m_rows:
-            batch.masked_rows = torch.tensor(m_rows, dtype=torch.long, device=dev)
-            batch.masked_token_ids = torch.tensor(m_ids, dtype=torch.long, device=dev)
+            batch.masked_rows = _to_device(m_rows, torch.long, dev)
+            batch.masked_token_ids = _to_device(m_ids, torch.long, dev)
 
     def update(self, sampled: torch.Tensor) -> None:
         """After sampling the last batch: count its sampled ids [n] int64 (on the device)."""

@@ -9,7 +9,11 @@ When a running request needs a block and none is free, the policy picks a victim
 are freed; it goes back to waiting and later recomputes its KV (preemption by recompute).
 
 ``num_computed_tokens`` advances when a step is *scheduled*, so the next step can be scheduled
-before the sampled tokens of this one are back.
+before the sampled tokens of this one are back. By default a request whose last step is still
+in flight is skipped; with ``async_decode`` its next decode is scheduled at once, the unknown
+input token given as `PLACEHOLDER_TOKEN` (the model runner fills it in on the device from the
+previous step's sampled ids), so that the CPU work of step N+1 overlaps the GPU work of step N
+(vLLM's async scheduling).
 """
 
 from __future__ import annotations
@@ -59,12 +63,15 @@ class SchedulingPolicy(ABC):
         """
 
 
+PLACEHOLDER_TOKEN = -1  # a sampled token still on the device (async scheduling)
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step."""
 
     request_id: str
-    token_ids: list[int]  # tokens to compute this step
+    token_ids: list[int]  # tokens to compute this step (PLACEHOLDER_TOKEN: still in flight)
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before this step)
     block_ids: list[int]  # the whole block table after allocation
     sample: bool  # this step computes the request's last known token: sample the next one
@@ -102,12 +109,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         clock: Callable[[], float] = time.monotonic,
         enable_chunked_prefill: bool = False,
+        async_decode: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.async_decode = async_decode
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
@@ -121,8 +130,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        # an id finished since the last step is live again: the runner must keep its new state
-        self._finished_ids.discard(request.request_id)
+        # an id finished since the last step may be live again: it still goes to the runner as
+        # finished (its slot and block table must go; the sampling state keeps the new one)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self._update_hashes(request)
@@ -164,6 +173,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache.free(req.request_id)
         req.num_computed_tokens = 0
+        req.num_pending_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -191,21 +201,35 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         for sr in scheduled:
-            self.requests[sr.request_id].num_computed_tokens += len(sr.token_ids)
+            req = self.requests[sr.request_id]
+            req.num_computed_tokens += len(sr.token_ids)
+            req.num_pending_tokens += sr.sample
         out = SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled),
                               self._finished_ids, preempted)
         self._finished_ids = set()
         self.stats.num_steps += 1
         return out
 
+    def _to_compute(self, req: Request) -> int:
+        """Tokens ``req`` could compute now: with async_decode, a token still being sampled
+        counts (unless it is the request's last one)."""
+        n = req.num_tokens - req.num_computed_tokens
+        if n == 0 and self.async_decode and req.num_pending_tokens:
+            total = req.num_tokens + req.num_pending_tokens
+            if (len(req.output_token_ids) + req.num_pending_tokens < req.max_tokens
+                    and total < req.max_total_tokens):
+                return 1
+        return n
+
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
                           scheduled_ids: set[str], preempted: list[str]) -> int:
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + chunks:
+        todo = [(r, self._to_compute(r)) for r in self.running]
+        decodes = [(r, n) for r, n in todo if n == 1]
+        chunks = [(r, n) for r, n in todo if n > 1]
+        for req, want in decodes + chunks:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(want, budget)
             if n == 0:
                 break
             while self._allocate(req, req.num_computed_tokens + n) is None:
@@ -266,6 +290,8 @@ class Scheduler:
         p = len(prompt)
         if start >= p:  # decode (or recompute of outputs): no copy of the prompt
             tokens = output[start - p:start - p + n]
+            if len(tokens) < n:  # async_decode: the input token is still being sampled
+                tokens.append(PLACEHOLDER_TOKEN)
         elif start + n <= p:
             tokens = prompt[start:start + n]
         else:
@@ -275,7 +301,7 @@ class Scheduler:
             token_ids=tokens,
             start_pos=start,
             block_ids=self.kv_cache.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
+            sample=start + n >= req.num_tokens,
         )
 
     # ---- results ------------------------------------------------------------------------------
@@ -287,12 +313,16 @@ class Scheduler:
 
         ``sampled``: request id -> new token id, for the scheduled requests with ``sample``.
         Returns (request, new token ids) for each request that got a token, finished or not.
-        Tokens for requests aborted since the step was scheduled are dropped.
+        Tokens for requests finished since the step was scheduled are dropped; a request
+        preempted since keeps its token (its KV is recomputed with it).
         """
         out = []
         for rid, tok in sampled.items():
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None:
+                continue
+            req.num_pending_tokens = max(req.num_pending_tokens - 1, 0)
+            if req.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 continue
             req.output_token_ids.append(tok)
             self._update_hashes(req)

@@ -24,6 +24,9 @@ class UnquantizedMethod(QuantMethod):
         param = getattr(layer, name, None)
         if param is None:
             raise ValueError(f"layer has no {name!r} (bias={layer.has_bias})")
+        # weight [out, in], bias [out]: this rank's rows (column) or columns (row parallel)
+        tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0,
+                                               input_dim=1 if name == "weight" else None)
         start, size = layer.shard_offset(shard)
         dst = param.data.narrow(0, start, size)
         if tuple(dst.shape) != tuple(tensor.shape):

@@ -36,14 +36,16 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return pid_gone(pid)
 
 
-def engine_core_children() -> set[int]:
-    """Live (non-zombie) "spawn" children of this process, engine core processes among them."""
-    if psutil is None:
+def engine_core_children(parent: int | None = None) -> set[int]:
+    """Live (non-zombie) "spawn" descendants of ``parent`` (default: this process), engine core
+    processes among them; not multiprocessing's resource tracker. Another ``parent`` needs
+    psutil."""
+    if psutil is None and parent is None:
         import multiprocessing
 
         return {p.pid for p in multiprocessing.active_children()}
     out = set()
-    for p in psutil.Process(os.getpid()).children(recursive=True):
+    for p in psutil.Process(parent or os.getpid()).children(recursive=True):
         try:
             if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
                 out.add(p.pid)

@@ -1,62 +1,24 @@
-"""The `http` frontend plugin (`pagebatch serve`): a real uvicorn server on 127.0.0.1 over the
-tiny model (engine core in its own process), driven with the `openai` package and httpx."""
+"""The `http` frontend plugin (`pagebatch serve`), its API: a real uvicorn server on 127.0.0.1
+over the tiny model (engine core in its own process), driven with the `openai` package (sync and
+async, streaming and not) and httpx for raw checks: endpoints, response and chunk shapes, usage,
+finish reasons, logprobs, echo, and the status code of each kind of bad input.
+Metrics: test_http_metrics.py; disconnects, SIGTERM, a dead core: test_http_lifecycle.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from pagebatch import AsyncEngine, EngineConfig
-from pagebatch.cli import _config_from_args, build_parser
-from pagebatch.plugins.frontends.http.server import Settings, build_app
-from procs import one_thread_children
-
-KEY = "test-key"
-MODEL = "tiny"
-ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=96, block_size=4,
-                   max_model_len=128, served_model_name=MODEL, api_key=KEY,
-                   max_prompts_per_request=8, max_n_per_request=4,
-                   max_request_body_bytes=20000)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from http_helpers import GREEDY, KEY, MODEL, PROMPT, events, tiny_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    config = EngineConfig.from_sources(cli={"model": str(tiny_model_dir), **ENGINE_KEYS})
-    with one_thread_children():
-        engine = AsyncEngine.from_config(config, multiprocess=True)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, config), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base(server):
-    return server[0]
+def base(tiny_model_dir):
+    with tiny_server(tiny_model_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -69,25 +31,6 @@ def http(base):
 @pytest.fixture(scope="module")
 def client(base):
     return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-PROMPT = "w5 w6 w7 w8"
-GREEDY = dict(temperature=0.0, max_tokens=8, extra_body={"ignore_eos": True})
-
-
-def _events(text: str) -> list:
-    """The data lines of an SSE body; the last must be [DONE]."""
-    assert all(part.startswith("data: ") for part in text.split("\n\n") if part)
-    datas = [p[len("data: "):] for p in text.split("\n\n") if p]
-    assert datas[-1] == "[DONE]"
-    return [json.loads(d) for d in datas[:-1]]
-
-
-def _metric(http, name: str, labels: str = "") -> float:
-    text = http.get("/metrics").text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
-    assert m, f"{name} {labels} not in /metrics"
-    return float(m.group(1))
 
 
 # ---- endpoints ---------------------------------------------------------------------------------
@@ -184,18 +127,157 @@ def test_streams_match_nonstreaming(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_raw_sse_format(http):
-    r = http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "w4"}], "max_tokens": 3,
-        "stream": True, "n": 2, "stream_options": {"include_usage": True},
-        "some_benchmark_field": 1})  # unknown fields are ignored
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = _events(r.text)
-    assert {e["choices"][0]["index"] for e in events[:2]} == {0, 1}
-    assert all(e["choices"][0]["delta"]["role"] == "assistant" for e in events[:2])
-    assert sum(1 for e in events if e["usage"] is not None) == 1
-    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] <= 6
-    assert all(e["object"] == "chat.completion.chunk" for e in events)
+CHUNK_KEYS = {"id", "object", "created", "model", "choices", "usage"}
+
+
+def _post_stream(http, path: str, body: dict) -> list:
+    r = http.post(path, json={"model": MODEL, "stream": True, **body})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("data: [DONE]\n\n")
+    return events(r.text)
+
+
+def _per_choice(chunks: list, field: str) -> dict:
+    """Completions chunks: choice index -> its `field` values, in order."""
+    out: dict = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            out.setdefault(ch["index"], []).append(ch[field])
+    return out
+
+
+def test_raw_completion_chunks(http):
+    """Chunk shape: the same id/created/model everywhere, one choice per chunk, one
+    finish_reason per choice (its last chunk), usage null and no usage chunk unless asked."""
+    body = {"prompt": [PROMPT, [9, 10]], "n": 2, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "some_benchmark_field": 1}  # unknown fields are ignored
+    chunks = _post_stream(http, "/v1/completions", body)
+    assert all(set(c) == CHUNK_KEYS and c["usage"] is None for c in chunks)
+    assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks}) == 1
+    assert chunks[0]["id"].startswith("cmpl-") and chunks[0]["model"] == MODEL
+    assert chunks[0]["object"] == "text_completion"
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert all(set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason",
+                                        "stop_reason"} for c in chunks)
+    reasons = _per_choice(chunks, "finish_reason")
+    assert sorted(reasons) == [0, 1, 2, 3]  # prompt i, sample j -> index i * n + j
+    assert all(r[-1] == "length" and set(r[:-1]) <= {None} for r in reasons.values())
+    whole = http.post("/v1/completions", json={"model": MODEL, **body}).json()
+    texts = {i: "".join(t) for i, t in _per_choice(chunks, "text").items()}
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+
+
+def test_raw_chat_chunks_and_usage(http):
+    chunks = _post_stream(http, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "w4"}], "max_tokens": 3, "n": 2,
+        "ignore_eos": True, "stream_options": {"include_usage": True}})
+    assert all(set(c) == CHUNK_KEYS and c["object"] == "chat.completion.chunk"
+               for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert {c["choices"][0]["index"] for c in chunks[:2]} == {0, 1}
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+               for c in chunks[:2])
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[2:-1])
+    # exactly one usage chunk, the last, with no choices; every other chunk has usage null
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
+                                   "total_tokens": 9}  # "user w4 w3": 3 tokens
+    finals = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1]
+    assert all(f["finish_reason"] == "length" for f in finals)
+
+
+def _greedy_tokens(client, n: int = 4) -> list[int]:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=0,
+                                  **{**GREEDY, "max_tokens": n})
+    return [int(t[1:]) for t in r.choices[0].logprobs.tokens]  # "wN" -> N
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["length", "eos", "stop_token_ids", "stop"])
+def test_finish_and_stop_reasons(http, client, case, stream):
+    """finish_reason "length" at max_tokens; "stop" on EOS (stop_reason null), on a
+    stop_token_id (stop_reason the id) and on a stop string (stop_reason the string, not in
+    the text); the same streaming or not."""
+    toks = _greedy_tokens(client)
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    want_reason, want_stop, n_tokens = "stop", None, None
+    if case == "length":
+        body["ignore_eos"], want_reason, n_tokens = True, "length", 6
+    elif case == "eos":
+        body["logit_bias"], n_tokens = {"2": 100}, 1  # EOS (id 2) first
+    elif case == "stop_token_ids":
+        body["stop_token_ids"], want_stop, n_tokens = [toks[2]], toks[2], 3
+        body["ignore_eos"] = True
+    else:
+        body["stop"], want_stop = [f"w{toks[2]}"], f"w{toks[2]}"
+        body["ignore_eos"] = True
+    if stream:
+        chunks = _post_stream(http, "/v1/completions", body)
+        last = chunks[-1]["choices"][0]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+    else:
+        r = http.post("/v1/completions", json={"model": MODEL, **body}).json()
+        last = r["choices"][0]
+        text = last["text"]
+        if n_tokens is not None:
+            assert r["usage"]["completion_tokens"] == n_tokens
+    assert (last["finish_reason"], last["stop_reason"]) == (want_reason, want_stop)
+    if case == "stop":
+        assert text.split() == [f"w{t}" for t in toks[:2]]
+
+
+def test_chat_finish_reasons(client):
+    msgs = [{"role": "user", "content": "w9 w10"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                       max_tokens=4, extra_body={"logit_bias": {"2": 100}})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    r = client.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+
+
+def test_completion_stream_logprobs_and_echo_match_nonstreaming(http):
+    """A stream's logprobs, chunk after chunk, add up to the one-body answer's: the same
+    tokens, log-probs, top-N dicts and text offsets (which run on across chunks); with echo
+    the first chunk starts with the prompt and its log-probs (the first one null)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "echo": True}
+    whole = http.post("/v1/completions", json={"model": MODEL, **body}).json()["choices"][0]
+    chunks = _post_stream(http, "/v1/completions", body)
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(PROMPT)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        joined = [x for c in chunks for x in c["choices"][0]["logprobs"][key]]
+        assert joined == whole["logprobs"][key], key
+    lp = whole["logprobs"]
+    assert len(lp["tokens"]) == 4 + 6 and len(lp["top_logprobs"]) == 4 + 6
+    assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])  # top 2 (+ the sampled)
+    # the prompt's first token has its text and null log-probs (as OpenAI and vLLM)
+    assert (lp["tokens"][0], lp["token_logprobs"][0], lp["top_logprobs"][0]) == ("w5", None,
+                                                                                 None)
+    # offsets add up the tokens' texts (a token decoded alone: "w6", no space)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:k])) for k in range(10)]
+
+
+def test_chat_stream_logprobs_match_nonstreaming(http):
+    body = {"messages": [{"role": "user", "content": "w9 w10"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    whole = http.post("/v1/chat/completions", json={"model": MODEL, **body}).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+    chunks = _post_stream(http, "/v1/chat/completions", body)
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"]
+                for e in ch["logprobs"]["content"]]
+    assert streamed == content
+    assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk
 
 
 def test_concurrent_streams_match_solo(base):
@@ -238,6 +320,19 @@ def test_concurrent_streams_match_solo(base):
     ({"prompt": PROMPT, "tools": [{"type": "function"}]}, "tools"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
     ({"prompt": PROMPT, "priority": "high"}, "priority"),
+    ({"prompt": PROMPT, "logprobs": True}, "logprobs"),
+    ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
+    ({"prompt": PROMPT, "stream_options": "yes"}, "stream_options"),
+    ({"prompt": PROMPT, "top_p": 0}, None),
+    ({"prompt": PROMPT, "presence_penalty": 5}, None),
+    ({"prompt": PROMPT, "min_tokens": 9, "max_tokens": 2}, None),
+    ({"prompt": PROMPT, "stop_token_ids": [999]}, None),  # outside the vocabulary
+    ({"prompt": PROMPT, "logprobs": 1000}, None),
+    ({"prompt": PROMPT, "n": 0}, None),
+    ({"prompt": PROMPT, "seed": "x"}, None),
+    ({"prompt": PROMPT, "stop": [""]}, None),
+    ({"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_input_errors_are_400(http, body, param, stream):
@@ -256,11 +351,32 @@ def test_completion_input_errors_are_400(http, body, param, stream):
     {"messages": [{"role": "user", "content": "w4"}], "response_format": {"type": "json_object"}},
     {"messages": [{"role": "user", "content": "w4"}], "tool_choice": "auto"},
     {"messages": [{"role": "user", "content": "w4"}], "top_logprobs": 2},
-    {"messages": [{"role": "user", "content": "w4"}], "max_tokens": 1000, "stream": True},
+    {"messages": [{"role": "user", "content": "w4"}], "max_tokens": 1000},  # context length
+    {"messages": [{"role": "user", "content": "w4"}], "max_completion_tokens": 1000},
+    {"messages": [{"role": "user", "content": "w4"}], "logprobs": 3},
+    {"messages": [{"role": "user", "content": "w4"}], "n": 5},
+    {"messages": [{"role": "user", "content": "w4"}], "echo": True},
+    {"messages": [{"role": "user", "content": "w4"}], "temperature": "hot"},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"messages": "w4"},
 ])
-def test_chat_input_errors_are_400(http, body):
-    r = http.post("/v1/chat/completions", json={"model": MODEL, **body})
-    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_input_errors_are_400(http, body, stream):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, **body, "stream": stream})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_stream_options_without_stream_is_400(http):
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "w4"}]})):
+        r = http.post(path, json={"model": MODEL, **body,
+                                  "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
 def test_bad_bodies(http):
@@ -271,10 +387,15 @@ def test_bad_bodies(http):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
-def test_unknown_model_404(client):
+def test_unknown_model_404(client, http):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user",
+                                                                "content": "w4"}])
+    r = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "stream": True})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # before the stream
 
 
 def test_api_key_401(base):
@@ -287,288 +408,13 @@ def test_api_key_401(base):
     bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-
-
-# ---- disconnect and metrics ----------------------------------------------------------------------
-
-def test_disconnect_mid_stream_frees_kv(base, http):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "n": 3, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            got = []
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    got.append(line)
-                if len(got) >= 6:
-                    break
-            assert _metric(http, "pagebatch:num_requests_running") == 3
-            steps = _metric(http, "pagebatch:engine_steps_total")
-    deadline = time.monotonic() + 10
-    while _metric(http, "pagebatch:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _metric(http, "pagebatch:kv_cache_usage_perc") == 0
-    assert _metric(http, "pagebatch:num_requests_running") == 0
-    assert _metric(http, "pagebatch:num_requests_waiting") == 0
-    # far fewer steps than the 120 tokens asked for
-    assert _metric(http, "pagebatch:engine_steps_total") - steps < 60
-
-
-def test_metrics_after_known_traffic(client, http):
-    def counts():
-        return (_metric(http, "pagebatch:request_success_total", 'finished_reason="length"'),
-                _metric(http, "pagebatch:prompt_tokens_total"),
-                _metric(http, "pagebatch:generation_tokens_total"),
-                _metric(http, "pagebatch:time_to_first_token_seconds_count"),
-                _metric(http, "pagebatch:e2e_request_latency_seconds_count"))
-
-    before = counts()
-    client.completions.create(model=MODEL, prompt=PROMPT, n=2, **GREEDY)  # 4 + 2 x 8 tokens
-    after = counts()
-    assert [a - b for a, b in zip(after, before)] == [1, 4, 16, 1, 1]
-    text = http.get("/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "num_preemptions_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "inter_token_latency_seconds_bucket",
-                 "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
-                 "request_decode_time_seconds_count", "request_prompt_tokens_sum",
-                 "request_generation_tokens_sum"):
-        assert re.search(rf"^pagebatch:{name}\{{.*model_name=\"{MODEL}\"", text, re.M), name
-    assert _metric(http, "pagebatch:request_queue_time_seconds_count") >= 1
-    assert _metric(http, "pagebatch:kv_cache_usage_perc") == 0  # idle again
-
-
-# ---- the command line --------------------------------------------------------------------------
-
-def test_serve_options_from_cli_and_file(tmp_path, tiny_model_dir):
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: {tiny_model_dir}\nport: 9001\nhost: 127.0.0.1\napi-key: k\n")
-    args = build_parser().parse_args(["serve", "--config", str(cfg), "--port", "9002"])
-    s = Settings.from_config(_config_from_args(args))
-    assert (s.port, s.host, s.api_key) == (9002, "127.0.0.1", "k")  # CLI > file > defaults
-    assert s.shutdown_timeout == 30.0 and s.allowed_origins == []
-
-
-# ---- examples/: the Grafana dashboard and the Kubernetes HPA -----------------------------------
-
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-_METRIC_RE = re.compile(r"pagebatch:[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _dashboard_exprs(node) -> list[str]:
-    """Every PromQL text in a Grafana dashboard: targets' exprs and template queries."""
-    out = []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in ("expr", "definition") and isinstance(v, str):
-                out.append(v)
-            elif k == "query" and isinstance(v, str):
-                out.append(v)
-            else:
-                out += _dashboard_exprs(v)
-    elif isinstance(node, list):
-        for v in node:
-            out += _dashboard_exprs(v)
-    return out
-
-
-def test_example_metric_names_are_served(client, http):
-    """Every pagebatch: series the Grafana dashboard and the HPA query is served at /metrics,
-    exactly as named there (histograms as _bucket/_sum/_count, counters as _total)."""
-    import yaml
-
-    dash = json.loads((ROOT / "examples/grafana/pagebatch-dashboard.json").read_text())
-    exprs = _dashboard_exprs(dash)
-    used = {m for e in exprs for m in _METRIC_RE.findall(e)}
-    hpa_text = (ROOT / "examples/kubernetes/hpa.yaml").read_text()
-    hpa = yaml.safe_load(hpa_text)
-    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["kind"] == "HorizontalPodAutoscaler"
-    (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    assert metric["pods"]["metric"]["name"] == "pagebatch:num_requests_waiting"
-    assert 40 <= float(metric["pods"]["target"]["averageValue"]) <= 60
-    hpa_used = set(_METRIC_RE.findall(hpa_text))
-    assert hpa_used == {"pagebatch:num_requests_waiting"}
-    used |= hpa_used
-    # the panels the issue asks for are there
-    for family in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                   "generation_tokens_total", "time_to_first_token_seconds_bucket",
-                   "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                   "num_preemptions_total", "prefix_cache_hits_total",
-                   "prefix_cache_queries_total"):
-        assert "pagebatch:" + family in used, family
-
-    # labelled counters (request_success) appear once a request has finished
-    client.completions.create(model=MODEL, prompt=PROMPT, **GREEDY)
-    served = {line.split("{")[0].split(" ")[0]
-              for line in http.get("/metrics").text.splitlines()
-              if line.startswith("pagebatch:")}
-    missing = sorted(used - served)
-    assert not missing, f"used in examples/ but not served at /metrics: {missing}"
-
-
-# ---- SIGTERM -----------------------------------------------------------------------------------
-
-def test_sigterm_drains_and_exits_cleanly(tiny_model_dir):
-    """`pagebatch serve` as a process: on SIGTERM a running stream completes (inside
-    --shutdown-timeout), new requests are turned away, and the process exits with status 0
-    leaving no child (the engine core) behind. Turned away means one of two things, by
-    phase: until uvicorn's main loop sees the signal (<= 0.1 s) the app is draining and
-    answers 503 `shutting_down`; after that the listening socket is closed (connection
-    refused). Never a 200."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    psutil = pytest.importorskip("psutil")  # optional (tests/procs.py)
-    from procs import wait_gone
-
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagebatch.cli", "--log-level", "WARNING", "serve",
-         str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--port", str(port),
-         "--max-model-len", "256", "--num-kv-blocks", "512", "--block-size", "4",
-         "--shutdown-timeout", "15"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    children: list = []
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "pagebatch serve exited early"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert children  # the engine core process
-
-        events: list = []
-        started = threading.Event()
-
-        def stream() -> None:
-            body = {"prompt": "w5 w6", "max_tokens": 250, "n": 4, "ignore_eos": True,
-                    "stream": True}
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[len("data: "):])
-                        started.set()
-
-        t = threading.Thread(target=stream, daemon=True)
-        t.start()
-        assert started.wait(30)
-        proc.send_signal(signal.SIGTERM)
-
-        refused, answers = False, []
-        deadline = time.monotonic() + 5
-        while not refused and time.monotonic() < deadline:
-            try:
-                r = httpx.post(base + "/v1/completions", timeout=5,
-                               json={"prompt": "w5", "max_tokens": 2})
-                answers.append((r.status_code, r.json()["error"]["code"]))
-            except httpx.ConnectError:
-                refused = True
-            time.sleep(0.01)
-        assert refused, answers
-        assert all(a == (503, "shutting_down") for a in answers), answers
-
-        t.join(20)
-        assert not t.is_alive()
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
-        reasons, texts = {}, {i: "" for i in range(4)}
-        for c in chunks:
-            for ch in c["choices"]:
-                texts[ch["index"]] += ch["text"]
-                if ch["finish_reason"] is not None:
-                    reasons[ch["index"]] = ch["finish_reason"]
-        assert reasons == {i: "length" for i in range(4)}
-        assert all(len(x.split()) > 200 for x in texts.values())  # 250 tokens, some special
-
-        assert proc.wait(15) == 0
-        for child in children:
-            assert wait_gone(child.pid, 10), f"child {child.pid} left running"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for child in children:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
-# ---- pagebatch bench serve ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("extra", [
-    ["--request-rate", "40", "--max-concurrency", "3"],
-    ["--prompt-kind", "text"],  # request rate inf: all at once
-])
-def test_bench_serve(base, tmp_path, capsys, extra):
-    from pagebatch.cli import main
-
-    out = tmp_path / "serve.json"
-    rc = main(["bench", "serve", "--base-url", base, "--api-key", KEY, "--num-prompts", "6",
-               "--input-len", "8", "--output-len", "6", "--vocab-size", "256",
-               "--output", str(out), *extra])
-    assert rc == 0
-    assert "TTFT" in capsys.readouterr().out
-    r = json.loads(out.read_text())
-    assert (r["completed"], r["failed"], r["errors"]) == (6, 0, [])
-    assert r["model"] == MODEL and r["total_output_tokens"] == 36  # ignore_eos
-    if "text" not in extra:
-        assert r["total_input_tokens"] == 48
-    assert r["duration_s"] > 0
-    assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
-    assert r["output_token_throughput"] == pytest.approx(36 / r["duration_s"])
-    assert r["total_token_throughput"] > r["output_token_throughput"]
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        s = r[name]
-        assert 0 < s["median_ms"] <= s["p99_ms"] and 0 < s["mean_ms"] <= s["p99_ms"], name
-    assert r["ttft"]["p99_ms"] <= r["e2el"]["p99_ms"]
-    assert r["e2el"]["p99_ms"] <= r["duration_s"] * 1e3
-
-
-def test_health_503_once_engine_core_is_killed(tiny_model_dir):
-    """A server of its own (the module's engine must live on): kill its engine core process
-    and /health turns 503, and so do new requests."""
-    psutil = pytest.importorskip("psutil")  # optional (tests/procs.py)
-    from procs import engine_core_children, wait_gone
-
-    config = EngineConfig.from_sources(cli={"model": str(tiny_model_dir), **ENGINE_KEYS})
-    before = engine_core_children()
-    with one_thread_children():
-        engine = AsyncEngine.from_config(config, multiprocess=True)
-    (core_pid,) = engine_core_children() - before
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, config), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        base = f"http://127.0.0.1:{port}"
-        assert httpx.get(base + "/health").status_code == 200
-        psutil.Process(core_pid).kill()
-        assert wait_gone(core_pid, 10)
-        deadline = time.monotonic() + 10
-        while httpx.get(base + "/health").status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(base + "/health").status_code == 503
-        r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        engine.shutdown()
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                    stream=True)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/", "/v1"):
+        r = httpx.post(base + path, json={"model": MODEL, "prompt": PROMPT},
+                       headers={"Authorization": f"Bearer {KEY}x"})
+        assert r.status_code == 401, path
+    # outside /v1 no key is needed
+    assert httpx.get(base + "/metrics").status_code == 200
+    assert httpx.post(base + "/tokenize", json={"prompt": PROMPT}).status_code == 200

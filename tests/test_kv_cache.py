@@ -196,7 +196,7 @@ def test_property_no_leak_no_double_free(num_blocks, block_size, ops):
         if op == "alloc":
             need = max(0, -(-n // block_size) - len(kv.block_ids(rid)))
             free_before = kv.pool.free_queue.block_ids()
-            table_before = kv.block_ids(rid)
+            table_before = list(kv.block_ids(rid))  # the manager's own list: copy
             got = kv.allocate_slots(rid, n)
             if need > len(free_before):
                 assert got is None

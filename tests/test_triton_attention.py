@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,30 +18,13 @@ import torch
 from pagebatch.attention import AttentionMetadata
 from pagebatch.plugins.attention.torch_ref import TorchRefBackend
 
-ON_GPU = torch.cuda.is_available()
-IN_PROCESS = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16, torch.float32]
-# ||out - ref|| / ||ref|| bounds (METHOD.md): P is rounded to the cache dtype before P @ V
-REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-
-
-@pytest.fixture(autouse=True)
-def _kernels_run_here(request):
-    if not IN_PROCESS and request.node.originalname != "test_kernels_under_interpreter":
-        pytest.skip("CPU: runs in the TRITON_INTERPRET=1 child of test_kernels_under_interpreter")
-    pytest.importorskip("triton")
+from interpreted import (DEVICE, DTYPES, IN_PROCESS, ON_GPU, REL_TOL,  # noqa: F401
+                         kernels_run_here, run_under_interpreter)
 
 
 def test_kernels_under_interpreter():
     """CPU: this file in a fresh process under TRITON_INTERPRET=1; fails with its output."""
-    if IN_PROCESS:
-        pytest.skip("kernels run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", __file__],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    run_under_interpreter(__file__, timeout=900)
 
 
 def _backend():

@@ -1,6 +1,7 @@
 """The attention layer models build from: writes new K/V into the paged cache, then attends.
 
-The backend (a plugin) does the work; the layer only holds the head geometry.
+The backend (a plugin) does the work; the layer only holds the head geometry and, for an fp8
+KV cache, its scalar ``k_scale`` / ``v_scale`` (core/attention.py has the format).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import AttentionBackend, AttentionMetadata
+from ..attention import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -21,10 +22,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        # fp8 KV cache scales (vLLM's defaults without calibration); fixed once weights are
+        # loaded: CUDA graphs capture them
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: this layer's cache. Returns [T, Hq * D]."""
-        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, kv_cache, metadata, self.scale)
+        scales = {}
+        if kv_cache.dtype == FP8_KV_DTYPE:  # only backends with supports_fp8_kv_cache get one
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, **scales)
+        out = self.backend.forward(q, kv_cache, metadata, self.scale, **scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,36 +1,81 @@
-"""Token embedding and the LM head (optionally tied to the embedding)."""
+"""Token embedding and the LM head (optionally tied to the embedding), vocab-parallel under
+tensor parallelism (Megatron-LM's VocabParallelEmbedding).
+
+With ``tp_size`` ranks the vocabulary is cut into ``tp_size`` contiguous ranges of
+``ceil(vocab / tp_size)`` rows (the last one padded with zero rows). The embedding looks up the
+ids of its range, zeroes the others and all-reduces; the LM head computes its range's logits and
+all-gathers them, so every rank has the whole [n, vocab] logits (and samples the same tokens).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from ..distributed.parallel_state import ParallelContext
 
-class VocabEmbedding(nn.Module):
+
+class _VocabShard(nn.Module):
+    """A [rows, hidden] slice of a [vocab, hidden] table: rows ``vocab_start .. + rows`` of the
+    checkpoint on this TP rank."""
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, tp: "ParallelContext | None",
+                 shared: "_VocabShard | None" = None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
+        self.tp = tp
+        self.tp_size = tp.tp_size if tp is not None else 1
+        self.rows = -(-vocab_size // self.tp_size)
+        self.vocab_start = (tp.tp_rank if tp is not None else 0) * self.rows
+        if shared is not None:  # tied: the same parameter (and loader) as ``shared``
+            self.weight = shared.weight
+            return
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of a checkpoint table [vocab, hidden] (padding stays zero).
+        Raises ValueError on a shape mismatch."""
+        want = (self.vocab_size, self.weight.shape[1])
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"vocabulary table: checkpoint shape {tuple(tensor.shape)} does "
+                             f"not match the model's {want}")
+        part = tensor[self.vocab_start:self.vocab_start + self.rows]
+        self.weight.data[:part.shape[0]].copy_(part)
+
+
+class VocabEmbedding(_VocabShard):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, tp: "ParallelContext | None" = None):
+        super().__init__(vocab_size, hidden_size, dtype, device, tp)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [num_tokens] int64 -> [num_tokens, hidden]."""
-        return F.embedding(input_ids, self.weight)
+        """input_ids: [num_tokens] int32/int64 -> [num_tokens, hidden]."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside[:, None], 0)
+        return self.tp.tp_all_reduce(x)
 
 
-class LMHead(nn.Module):
-    """hidden [n, hidden] -> logits [n, vocab] in fp32."""
+class LMHead(_VocabShard):
+    """hidden [n, hidden] -> logits [n, vocab] in fp32 (whole vocabulary on every rank)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, tied_to: VocabEmbedding | None = None):
-        super().__init__()
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
-                                                   device=device), requires_grad=False)
+                 device: torch.device, tied_to: VocabEmbedding | None = None,
+                 tp: "ParallelContext | None" = None):
+        super().__init__(vocab_size, hidden_size, dtype, device, tp, shared=tied_to)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = self.tp.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]
+        return logits.float()

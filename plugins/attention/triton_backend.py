@@ -3,8 +3,9 @@
 Kernels in triton_kernels.py (imported on first use, so that loading this plugin costs no Triton
 import and ``TRITON_INTERPRET`` is read only by whoever runs the kernels). KV layout: the default
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Any block size, any GQA group, head_dim
-up to 256 (tiles are padded to a power of two and masked). fp16/bf16/fp32 caches; the cache
-dtype is the query dtype (fp8 KV with scales is for the quantization issue).
+up to 256 (tiles are padded to a power of two and masked). The cache is in the query's dtype
+(fp16/bf16/fp32) or fp8 e4m3 with per-layer k_scale / v_scale (``kv_cache_dtype: fp8``; e4m3
+conversions need sm89+ on CUDA).
 
 On CPU the backend runs only under ``TRITON_INTERPRET=1`` (tests on tiny shapes).
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagebatch.attention import AttentionBackend, AttentionMetadata
+from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagebatch.hookspecs import hookimpl
 
 MAX_HEAD_DIM = 256
@@ -82,9 +83,10 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (negative: skip the token)."""
+    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (negative: skip the token). An
+    fp8 cache stores ``x / scale`` clamped to +-448 (scales ignored for other caches)."""
     from . import triton_kernels as tk
 
     t, hkv, d = key.shape
@@ -96,17 +98,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         value = value.contiguous()
     row = hkv * d
     block = min(_next_pow2(row), 2048)
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
     tk.write_kv_kernel[(t, -(-row // block))](
         key, value, kv_cache[0], kv_cache[1], slot_mapping, key.stride(0), value.stride(0),
-        ROW=row, BLOCK=block, num_warps=4)
+        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
+        ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=4)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, config: LaunchConfig | None = None) -> torch.Tensor:
+                    scale: float, config: LaunchConfig | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
-    head_dim] in query's dtype. Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    head_dim] in query's dtype, or fp8 e4m3 read as ``float(entry) * k_scale`` (``v_scale``;
+    scales ignored for other caches). Returns [num_tokens, num_heads, head_dim] in query's dtype.
     ``config`` overrides the tile choice (benchmarks, tests). Raises ValueError for head_dim
     above 256.
     """
@@ -135,10 +141,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     else:
         part_acc = part_ml = out  # unused
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
     tk.paged_attention_kernel[(num_q_blocks, hkv, splits)](
         out, query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, part_acc, part_ml,
-        metadata.num_seqs, num_q_blocks, scale,
+        metadata.num_seqs, num_q_blocks, scale, float(k_scale), float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         metadata.block_tables.stride(0),
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
@@ -154,6 +162,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
+    supports_fp8_kv_cache = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> str | None:
         try:
@@ -167,11 +177,19 @@ class TritonBackend(AttentionBackend):
             return f"dtype {dtype} is not supported; supported: float16, bfloat16, float32"
         return None
 
-    def write_kv(self, key, value, kv_cache, slot_mapping):
-        write_kv(key, value, kv_cache, slot_mapping)
+    def supports_kv_cache_dtype(self, device, dtype, kv_dtype):
+        if (kv_dtype == FP8_KV_DTYPE and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            return ("Triton converts fp8 e4m3 only on compute capability 8.9+ (Ada, Hopper); "
+                    f"this GPU is {torch.cuda.get_device_capability(device)}")
+        return super().supports_kv_cache_dtype(device, dtype, kv_dtype)
 
-    def forward(self, query, kv_cache, metadata: AttentionMetadata, scale):
-        return paged_attention(query, kv_cache, metadata, scale)
+    def write_kv(self, key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+        write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+    def forward(self, query, kv_cache, metadata: AttentionMetadata, scale, k_scale=1.0,
+                v_scale=1.0):
+        return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale)
 
 
 @hookimpl

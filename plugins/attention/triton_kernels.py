@@ -16,6 +16,12 @@ of request ``i`` exists for ``query_start_loc[i] // BLOCK_Q + i <= p``; a binary
 the context is cut into that many ranges (Flash-Decoding, Dao et al. 2023) and each program
 writes an unnormalised partial result that ``_reduce_splits`` merges.
 
+fp8 KV cache (float8_e4m3fn, core/attention.py): ``write_kv_kernel`` stores ``x / scale``
+clamped to +-448 and rounded to e4m3; the attention kernel converts loaded K/V tiles to the
+query's dtype (exact: every e4m3 value is a bf16 / fp16 value) and applies the scales outside the
+tiles, ``k_scale`` folded into the softmax scale and ``v_scale`` into the accumulator once at the
+end, so the inner loop does no extra multiply. Other caches pass scales of 1.0.
+
 Masking: keys at positions ``>= seq_len`` are loaded as 0 (the cache there may hold NaN) and
 scored ``-inf``; row maxima start at a finite ``-1e30`` so that a row with no key in a tile or a
 split never computes ``inf - inf``.
@@ -34,9 +40,11 @@ import triton.language as tl
 @triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_vt,
+    stride_kt, stride_vt, k_scale, v_scale,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: elements of one token's K (or V)
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is fp8: store clamp(x / scale, +-FP8_MAX)
+    FP8_MAX: tl.constexpr,
 ):
     """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped."""
     t = tl.program_id(0)
@@ -47,6 +55,9 @@ def write_kv_kernel(
     mask = offs < ROW
     k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + offs, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    if FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
     dst = slot * ROW + offs
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -100,6 +111,8 @@ def _attend_tiles(
         else:
             k = tl.load(k_base + kv_off)
             v = tl.load(v_base + kv_off)
+        k = k.to(q.dtype)  # fp8 caches: exact widening; otherwise the same dtype, a no-op
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < seq_len)
@@ -118,7 +131,7 @@ def _attend_tiles(
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_ml_ptr,
-    num_seqs, num_q_blocks, scale,
+    num_seqs, num_q_blocks, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -131,6 +144,7 @@ def paged_attention_kernel(
     NUM_SPLITS == 1 writes out [num_tokens, num_heads, head_dim]; otherwise part_acc
     [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
     [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps).
+    ``k_scale`` / ``v_scale``: fp8 cache scales (1.0 otherwise), applied outside the tile loop.
     """
     # the heaviest query blocks (late in a long prompt) first: a shorter causal tail
     pid = num_q_blocks - 1 - tl.program_id(0)
@@ -174,7 +188,7 @@ def paged_attention_kernel(
     k_base = k_cache_ptr + kvh * HEAD_DIM
     v_base = v_cache_ptr + kvh * HEAD_DIM
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    qk_scale = scale * k_scale * 1.4426950408889634  # softmax in base 2
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -185,6 +199,7 @@ def paged_attention_kernel(
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, mid, hi, stride_slot, offs_d,
         qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+    acc = acc * v_scale
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -2,6 +2,13 @@
 and Qwen (plugins/models/mistral.py, qwen.py) subclass.
 
 Weights load by Hugging Face tensor names; q/k/v and gate/up are fused into one linear each.
+
+Tensor parallel (Megatron-LM): qkv_proj and gate_up_proj are column-parallel (each rank holds
+its heads / its slice of the MLP width; KV heads are replicated when fewer than the ranks),
+o_proj and down_proj row-parallel (all-reduced), the embedding and LM head vocab-parallel.
+Pipeline parallel: the model holds only its stage's layers (``ctx.parallel.stage_layers``); the
+first stage embeds, the others receive (hidden, residual) from the previous stage; every stage
+but the last sends its output on and returns None.
 """
 
 from __future__ import annotations
@@ -16,14 +23,16 @@ from pagebatch.hookspecs import hookimpl
 from pagebatch.layers.activation import SiluAndMul
 from pagebatch.layers.attention import Attention
 from pagebatch.layers.context import ModelContext
-from pagebatch.layers.linear import LinearBase
+from pagebatch.layers.linear import LinearBase, qkv_output_ranges
 from pagebatch.layers.norm import RMSNorm
 from pagebatch.layers.rotary import RotaryEmbedding, rope_params
 from pagebatch.layers.vocab import LMHead, VocabEmbedding
 
 
-def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool) -> LinearBase:
-    return LinearBase(n_in, outs, bias, ctx.quant_method, ctx.dtype, ctx.device)
+def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool, parallel: str,
+            output_ranges: list[tuple[int, int]] | None = None) -> LinearBase:
+    return LinearBase(n_in, outs, bias, ctx.quant_method, ctx.dtype, ctx.device,
+                      parallel=parallel, tp=ctx.parallel, output_ranges=output_ranges)
 
 
 class LlamaAttention(nn.Module):
@@ -33,14 +42,21 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg, ctx: ModelContext):
         super().__init__()
         hidden = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        tp_rank, tp_size = ctx.parallel.tp_rank, ctx.parallel.tp_size
+        # this rank's heads (all of them on one rank); KV heads replicated below tp_size
+        self.num_heads = heads // tp_size
+        self.num_kv_heads = max(kv_heads // tp_size, 1)
         qkv_bias, o_bias = self.projection_biases(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = _linear(ctx, hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
-        self.o_proj = _linear(ctx, self.q_size, [hidden], o_bias)
+        full_q, full_kv = heads * self.head_dim, kv_heads * self.head_dim
+        self.qkv_proj = _linear(ctx, hidden, [full_q, full_kv, full_kv], qkv_bias, "column",
+                                qkv_output_ranges(heads, kv_heads, self.head_dim, tp_rank,
+                                                  tp_size))
+        self.o_proj = _linear(ctx, full_q, [hidden], o_bias, "row")
         base, scaling = rope_params(cfg)
         self.rotary = RotaryEmbedding(self.head_dim, ctx.max_model_len, base, scaling, ctx.device)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
@@ -74,8 +90,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
         inter = cfg.intermediate_size
-        self.gate_up_proj = _linear(ctx, cfg.hidden_size, [inter, inter], bias)
-        self.down_proj = _linear(ctx, inter, [cfg.hidden_size], bias)
+        self.gate_up_proj = _linear(ctx, cfg.hidden_size, [inter, inter], bias, "column")
+        self.down_proj = _linear(ctx, inter, [cfg.hidden_size], bias, "row")
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -120,16 +136,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, ctx: ModelContext):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, self.attention_cls)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+        par = self.parallel = ctx.parallel
+        self.hidden_size, self.dtype = cfg.hidden_size, ctx.dtype
+        # this pipeline stage's layers [start_layer, end_layer) (all of them without PP)
+        self.start_layer, self.end_layer = par.stage_layers(cfg.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
-                              tied_to=self.embed_tokens if self.tie_word_embeddings else None)
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
+                                            ctx.device, par) if par.is_first_stage else None)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, self.attention_cls)
+                                    for _ in range(self.start_layer, self.end_layer))
+        self.norm = self.lm_head = None
+        if par.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+            tied = self.embed_tokens if self.tie_word_embeddings else None
+            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
+                                  tied_to=tied, tp=par)
         attn = self.layers[0].self_attn
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = len(self.layers)  # this stage's: one KV cache tensor each
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's
 
     @classmethod
     def max_model_len_limit(cls, hf_config) -> int | None:
@@ -139,18 +163,43 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        residual = None
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor | None:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden] on the last pipeline
+        stage; None on the others, which send (hidden, residual) to the next stage."""
+        par = self.parallel
+        if par.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = par.recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
+        if not par.is_last_stage:
+            par.send_hidden(x, residual)
+            return None
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> logits [n, vocab] fp32."""
+        """hidden: [n, hidden] -> logits [n, vocab] fp32 (last pipeline stage only)."""
         return self.lm_head(hidden)
+
+    def _stage_key(self, key: str) -> str | None:
+        """Where checkpoint tensor ``key`` (without "model.") lives on this pipeline stage, or
+        None when another stage holds it. Layer indices count from the stage's first layer; on
+        a last stage without the embedding, a tied LM head loads the embedding table."""
+        if key.startswith("layers."):
+            index, rest = key[len("layers."):].split(".", 1)
+            i = int(index)
+            if not self.start_layer <= i < self.end_layer:
+                return None
+            return f"layers.{i - self.start_layer}.{rest}"
+        if key == "embed_tokens.weight" and self.embed_tokens is None:
+            return "lm_head.weight" if self.tie_word_embeddings and self.lm_head else None
+        if key == "lm_head.weight" and (self.tie_word_embeddings or self.lm_head is None):
+            return None  # tied: loaded with the embedding
+        if key.startswith("norm.") and self.norm is None:
+            return None
+        return key
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names loaded.
@@ -163,9 +212,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            key = self._stage_key(name.removeprefix("model."))
+            if key is None:  # another pipeline stage's tensor
                 continue
-            key = name.removeprefix("model.")
             parts = key.rsplit(".", 2)  # [..., module, param]
             if len(parts) == 3 and parts[1] in self.stacked:
                 target, shard = self.stacked[parts[1]]
@@ -175,10 +224,14 @@ class LlamaForCausalLM(nn.Module):
                 modules[mod].load(pname, tensor, None)
             elif key in params:
                 p = params[key]
-                if p.shape != tensor.shape:
+                loader = getattr(p, "weight_loader", None)  # vocab-parallel tables
+                if loader is not None:
+                    loader(tensor)
+                elif p.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not "
                                      f"match the model's {tuple(p.shape)}")
-                p.data.copy_(tensor)
+                else:
+                    p.data.copy_(tensor)
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self).__name__}")

@@ -7,11 +7,12 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagebatch.request import CompletionOutput, RequestOutput
 
 from . import protocol as proto
+from .streams import EventStreamResponse, merge, sse, until_disconnected
 
 if TYPE_CHECKING:
     from .server import Server
@@ -63,7 +64,8 @@ class Completions:
             body = await s.read_json(request)
             s.check_model(body)
             prompts, params, opts = proto.completion_request(
-                body, s.settings.max_prompts_per_request, s.settings.max_n_per_request)
+                body, s.settings.max_prompts_per_request, s.settings.max_n_per_request,
+                s.sampling_defaults)
             rid = new_id("cmpl")
             rids, streams = await s.start(prompts, params, opts["priority"], rid)
         except Exception as e:
@@ -91,10 +93,10 @@ class Completions:
                                  opts: dict[str, Any]) -> Response | list[RequestOutput]:
         """With ``stream: true`` the SSE response of ``events``; else the finished outputs, or
         an error response (the request failed) or a 499 (the client left first)."""
-        from .server import as_api_error, error_response, until_disconnected
+        from .server import as_api_error, error_response
 
         if opts["stream"]:
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStreamResponse(events)
         try:
             result = await until_disconnected(request, self._collect(rids, streams))
         except Exception as e:
@@ -103,8 +105,6 @@ class Completions:
 
     async def _collect(self, rids: list[str], streams: list[AsyncIterator]
                        ) -> list[RequestOutput]:
-        from .server import merge
-
         tracker = _Tracker(self.s, len(streams))
         try:
             async for i, out in merge(streams):
@@ -136,7 +136,8 @@ class Completions:
                 positions = list(out.prompt_logprobs) + positions
         logprobs = None
         if c.logprobs is not None or (opts["echo"] and out.prompt_logprobs is not None):
-            logprobs = proto.completion_logprobs(positions, 0, self.s.decode)
+            logprobs = proto.completion_logprobs(positions, 0, self.s.decode,
+                                                 out.prompt_token_ids[0])
         reason = "length" if score_only else c.finish_reason
         return ({"text": prefix + text, "logprobs": logprobs, "finish_reason": reason,
                  "stop_reason": c.stop_reason}, 0 if score_only else len(c.token_ids))
@@ -144,10 +145,11 @@ class Completions:
     async def _completion_stream(self, rid: str, created: int, rids: list[str],
                                  streams: list[AsyncIterator], opts: dict[str, Any],
                                  n: int) -> AsyncIterator[str]:
-        from .server import as_api_error, merge, sse
+        from .server import as_api_error
 
         s = self.s
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        offsets: dict[int, int] = {}  # choice index -> text_offset of its next logprob token
         done: set[int] = set()  # choices whose finish_reason was sent
         n_prompt: dict[int, int] = {}
         n_gen = 0
@@ -183,7 +185,10 @@ class Completions:
                         continue
                     lps = None
                     if c.logprobs is not None or (first and out.prompt_logprobs is not None):
-                        lps = proto.completion_logprobs(positions, 0, s.decode)
+                        start = offsets.get(idx, 0)  # offsets run on across chunks
+                        lps = proto.completion_logprobs(positions, start, s.decode,
+                                                        out.prompt_token_ids[0])
+                        offsets[idx] = start + sum(len(t) for t in lps["tokens"])
                     if reason is not None:
                         done.add(idx)
                         n_gen += 0 if opts["score_only"] else len(c.token_ids)
@@ -212,7 +217,8 @@ class Completions:
             s.check_accepting()
             body = await s.read_json(request)
             s.check_model(body)
-            messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request)
+            messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request,
+                                                         s.sampling_defaults)
             try:
                 prompt = s.engine.engine.chat_prompt(messages)
             except proto.ApiError:
@@ -251,7 +257,7 @@ class Completions:
     async def _chat_stream(self, rid: str, created: int, rids: list[str],
                            streams: list[AsyncIterator], opts: dict[str, Any],
                            n: int) -> AsyncIterator[str]:
-        from .server import as_api_error, merge, sse
+        from .server import as_api_error
 
         s = self.s
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent

@@ -67,20 +67,38 @@ def _opt(body: dict[str, Any], name: str, default: Any) -> Any:
     return default if v is None else v
 
 
+# Fields the model's generation_config.json fills in when a request leaves them unset (vLLM's
+# ``--generation-config auto``); its max_new_tokens (our max_tokens) caps max_tokens, as in vLLM.
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def sampling_params(body: dict[str, Any], max_tokens: Any, logprobs: int | None,
-                    max_n: int) -> SamplingParams:
-    """The fields both endpoints share. Range checks are SamplingParams.validate's (the engine
-    runs it and raises SamplingParamsError, answered as a 400)."""
+                    max_n: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The fields both endpoints share. A field the body leaves unset (or null) takes the
+    model's default from ``defaults`` (`LLMEngine.sampling_defaults`, see MODEL_DEFAULTS),
+    else SamplingParams'. Range checks are SamplingParams.validate's (the engine runs it and
+    raises SamplingParamsError, answered as a 400)."""
+    defaults = defaults or {}
+
+    def pick(name: str, fallback: Any) -> Any:
+        return _opt(body, name, defaults.get(name, fallback) if name in MODEL_DEFAULTS
+                    else fallback)
+
     n = _opt(body, "n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > max_n:
         raise bad(f"n={n} is more than this server allows (max_n_per_request={max_n})", "n")
+    cap = defaults.get("max_tokens")
+    if cap is not None and (max_tokens is None or (
+            isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+            and max_tokens > cap)):
+        max_tokens = cap
     stop_ids = _opt(body, "stop_token_ids", [])
     return SamplingParams(
-        n=n, temperature=_opt(body, "temperature", 1.0), top_p=_opt(body, "top_p", 1.0),
-        top_k=_opt(body, "top_k", 0), min_p=_opt(body, "min_p", 0.0),
+        n=n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
         presence_penalty=_opt(body, "presence_penalty", 0.0),
         frequency_penalty=_opt(body, "frequency_penalty", 0.0),
-        repetition_penalty=_opt(body, "repetition_penalty", 1.0),
+        repetition_penalty=pick("repetition_penalty", 1.0),
         logit_bias=_int_keys(body.get("logit_bias")), max_tokens=max_tokens,
         min_tokens=_opt(body, "min_tokens", 0), stop=body.get("stop"),
         stop_token_ids=stop_ids,
@@ -99,11 +117,13 @@ def _check_priority_and_salt(body: dict[str, Any]) -> tuple[int, str | None]:
     return priority, salt
 
 
-def completion_request(body: dict[str, Any], max_prompts: int, max_n: int
+def completion_request(body: dict[str, Any], max_prompts: int, max_n: int,
+                       defaults: dict[str, Any] | None = None
                        ) -> tuple[list[dict[str, Any]], SamplingParams, dict[str, Any]]:
     """Parse a /v1/completions body. Returns engine prompts (dicts, with cache_salt when
-    given), the sampling params and options: echo, stream, include_usage, priority,
-    score_only (max_tokens 0 with echo: the prompt is scored, nothing generated)."""
+    given), the sampling params (unset fields from ``defaults``, see `sampling_params`) and
+    options: echo, stream, include_usage, priority, score_only (max_tokens 0 with echo: the
+    prompt is scored, nothing generated)."""
     _check_unsupported(body, UNSUPPORTED_COMMON + UNSUPPORTED_COMPLETIONS)
     best_of = body.get("best_of")
     if best_of is not None and best_of != _opt(body, "n", 1):
@@ -124,7 +144,7 @@ def completion_request(body: dict[str, Any], max_prompts: int, max_n: int
             raise bad("max_tokens=0 is only allowed with echo=true (to score the prompt)",
                       "max_tokens")
         max_tokens = 1  # one token is computed and dropped
-    params = sampling_params(body, max_tokens, logprobs, max_n)
+    params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
     if echo and logprobs is not None:
         params.prompt_logprobs = logprobs
     opts = dict(echo=echo, score_only=score_only, priority=priority, **_stream_opts(body))
@@ -164,11 +184,11 @@ def _stream_opts(body: dict[str, Any]) -> dict[str, Any]:
     return dict(stream=stream, include_usage=include_usage)
 
 
-def chat_request(body: dict[str, Any], max_n: int
+def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | None = None
                  ) -> tuple[list[dict[str, Any]], SamplingParams, dict[str, Any]]:
     """Parse a /v1/chat/completions body. Returns the messages (content parts flattened to
-    text), the sampling params and options (stream, include_usage, priority, cache_salt,
-    top_logprobs)."""
+    text), the sampling params (unset fields from ``defaults``, see `sampling_params`) and
+    options (stream, include_usage, priority, cache_salt, top_logprobs)."""
     _check_unsupported(body, UNSUPPORTED_COMMON)
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
@@ -192,7 +212,7 @@ def chat_request(body: dict[str, Any], max_n: int
         if isinstance(top, bool) or not isinstance(top, int):
             raise bad(f"top_logprobs must be an integer, got {top!r}", "top_logprobs")
     logprobs = (top or 0) if want else None
-    params = sampling_params(body, max_tokens, logprobs, max_n)
+    params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
     opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, **_stream_opts(body))
     return messages, params, opts
 
@@ -234,17 +254,21 @@ def _lp(x: float) -> float:
 
 
 def completion_logprobs(positions: list[PositionLogprobs | None], text_offset: int,
-                        decode: Any) -> dict[str, list]:
-    """OpenAI's completions logprobs object over some positions (None: the first prompt
-    token, which has no log-prob). ``decode(id)`` gives a token's text."""
+                        decode: Any, first_prompt_token: int | None = None) -> dict[str, list]:
+    """OpenAI's completions logprobs object over some positions, offsets from
+    ``text_offset``. A None position is the prompt's first token (``first_prompt_token``),
+    which has no log-prob: its text is given with null log-prob and top log-probs, as OpenAI
+    and vLLM do. ``decode(id)`` gives a token's text."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset
     for pos in positions:
+        offsets.append(off)
         if pos is None:
-            tokens.append(None)
+            text = decode(first_prompt_token) if first_prompt_token is not None else ""
+            tokens.append(text)
             token_lps.append(None)
             tops.append(None)
-            offsets.append(off)
+            off += len(text)
             continue
         tid, first = next(iter(pos.items()))
         text = first.decoded_token if first.decoded_token is not None else decode(tid)
@@ -252,7 +276,6 @@ def completion_logprobs(positions: list[PositionLogprobs | None], text_offset: i
         token_lps.append(_lp(first.logprob))
         tops.append({(lp.decoded_token if lp.decoded_token is not None else decode(t)):
                      _lp(lp.logprob) for t, lp in pos.items()})
-        offsets.append(off)
         off += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}

@@ -6,7 +6,8 @@ POST /v1/chat/completions (both streaming as server-sent events), GET /v1/models
 GET /version, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: input errors 400 (before a stream opens),
 unknown model 404, API key 401, body too large 413, dead engine 503. A client that disconnects
-has its request aborted (all n samples) at once.
+has its request aborted (all n samples) at once, written to or not (streams.py). On SIGTERM the
+server drains (`draining_server`); when the engine core dies it shuts itself down, exit status 1.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.routing import Route
 import pagebatch
 from pagebatch import AsyncEngine, EngineConfig
 from pagebatch.errors import EngineDeadError, InvalidRequestError
-from pagebatch.request import RequestOutput, SamplingParams
+from pagebatch.request import SamplingParams
 
 from . import protocol as proto
 from .completions import Completions
@@ -109,9 +110,16 @@ class Server:
         self.model_name = settings.served_model_name or config.model
         self.max_model_len = engine.engine.max_model_len
         self.tokenizer = engine.engine.tokenizer
+        # the model's generation_config.json defaults (generation_config: auto), as vLLM
+        self.sampling_defaults = dict(engine.engine.sampling_defaults)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json for "
+                        "fields a request leaves unset: %s", self.sampling_defaults)
         self.metrics = Metrics(self.model_name, lambda: engine.core_stats)
         engine.add_stats_listener(self.metrics.on_core_stats)
         self.draining = False
+        self.active: set[str] = set()  # engine request ids of running HTTP requests
+        self._abort_task: asyncio.Task | None = None
         self.completions = Completions(self)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -227,6 +235,7 @@ class Server:
                 rid = f"{prefix}-{i}"
                 streams.append(await self.engine.add_request(p, params, rid, priority))
                 rids.append(rid)
+                self.active.add(rid)
         except BaseException:
             await self.abort(rids)
             raise
@@ -234,72 +243,16 @@ class Server:
 
     async def abort(self, rids: list[str]) -> None:
         for rid in rids:  # finished and unknown ids are ignored
+            self.active.discard(rid)
             await self.engine.abort(rid)
 
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]
-                ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several request streams as they come, tagged with the stream's index.
-    Leaving early cancels the pumps (which aborts their requests)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in s:
-                await queue.put((i, out))
-        except BaseException as e:
-            await queue.put((i, e))
-            return
-        await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def until_disconnected(request: Request, work: Any) -> Any:
-    """Run ``work`` (a coroutine) unless the client goes away first (then cancel it, which
-    aborts its requests, and return None). For non-streaming responses, whose body has been
-    read: the next ASGI message can only be the disconnect."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    if not task.done() or task.cancelled():
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        return None
-    return task.result()
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    def abort_all(self) -> None:
+        """Abort every running request (shutdown_timeout passed): each stream ends with finish
+        reason ``abort``, then ``[DONE]``. Call on the event loop."""
+        if self.active:
+            logger.warning("shutdown_timeout (%gs) passed: aborting %d running requests",
+                           self.settings.shutdown_timeout, len(self.active))
+            self._abort_task = asyncio.ensure_future(self.abort(list(self.active)))
 
 
 def new_id(kind: str) -> str:
@@ -334,41 +287,95 @@ def build_app(engine: AsyncEngine, config: EngineConfig,
     return app
 
 
+# After the aborts at shutdown_timeout, the seconds left for the aborted responses to be sent
+# before uvicorn cancels what still runs (a backstop: aborts answer within an engine step).
+ABORT_GRACE_S = 5.0
+# After the engine core dies, the seconds the server stays up answering 503 (running streams get
+# their error event, a probe sees /health 503) before it shuts itself down with exit status 1.
+ENGINE_DEAD_GRACE_S = 5.0
+
+
 def serve(config: EngineConfig) -> int:
     """``pagebatch serve``: start the engine core process, then serve until SIGINT/SIGTERM.
-    On SIGTERM the server stops accepting (/health and new requests answer 503), running
-    requests get ``shutdown_timeout`` seconds, the rest are cancelled (aborted), and the
-    engine core process is stopped."""
+    On SIGTERM the server stops accepting (/health and new requests answer 503, then the
+    listening socket closes), running requests get ``shutdown_timeout`` seconds to finish, the
+    rest are aborted (their streams end with finish reason ``abort`` and ``[DONE]``), the engine
+    core process is stopped, and the process exits with status 0. When the engine core dies
+    (its process exits, or a parallel worker does) the server answers 503 for
+    ``ENGINE_DEAD_GRACE_S`` seconds, then shuts down and returns 1, so that a supervisor
+    (Kubernetes) restarts it, as vLLM's API server does."""
     import uvicorn
 
     settings = Settings.from_config(config)
     engine = AsyncEngine.from_config(config, multiprocess=True)
     try:
         app = build_app(engine, config, settings)
-        server = _DrainingServer(app.state.server, uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="info",
-            timeout_graceful_shutdown=max(1, int(round(settings.shutdown_timeout)))))
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        server = draining_server(app.state.server, uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level=level,  # --log-level
+            timeout_graceful_shutdown=settings.shutdown_timeout + ABORT_GRACE_S))
         logger.info("serving %s on http://%s:%d", app.state.server.model_name, settings.host,
                     settings.port)
         server.run()
+        failure = engine_failure(engine)  # before our own shutdown marks the engine dead
     finally:
         engine.shutdown()
+    if failure is not None:
+        logger.error("pagebatch serve exits with status 1: the engine core died (%s)", failure)
+        return 1
     return 0
 
 
-class _DrainingServer:
-    """uvicorn's Server, marking the app as draining when a shutdown signal arrives."""
+def engine_failure(engine: AsyncEngine) -> EngineDeadError | None:
+    """The engine's `EngineDeadError` once its core is gone, else None."""
+    try:
+        engine.check_health()
+    except EngineDeadError as e:
+        return e
+    return None
 
-    def __new__(cls, state: Server, config: Any) -> Any:
-        import uvicorn
 
-        class Srv(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                state.draining = True
-                super().handle_exit(sig, frame)
-                # uvicorn re-raises captured signals once it has shut down, which would kill
-                # the process (status -15) before `serve` stops the engine core; a drained
-                # shutdown is a clean exit (status 0) instead.
-                self._captured_signals.clear()
+def draining_server(state: Server, config: Any) -> Any:
+    """A uvicorn Server that drains: on a shutdown signal the app answers 503 (``draining``),
+    uvicorn stops listening and waits for running responses; at ``shutdown_timeout`` the
+    requests still running are aborted, so their clients get a last chunk with finish reason
+    ``abort`` (or a 200 body saying so) instead of a cut connection. It also watches the engine
+    (every 0.1 s, uvicorn's tick): ``ENGINE_DEAD_GRACE_S`` after the core died it shuts down,
+    waiting at most that long again for the connections left."""
+    import uvicorn
 
-        return Srv(config)
+    class DrainingServer(uvicorn.Server):
+        dead_since: float | None = None  # time.monotonic() when the engine was seen dead
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.dead_since is None:
+                failure = engine_failure(state.engine)
+                if failure is not None:
+                    self.dead_since = time.monotonic()
+                    logger.error("the engine core died (%s); /health and new requests answer "
+                                 "503, the server shuts down in %gs (exit status 1)", failure,
+                                 ENGINE_DEAD_GRACE_S)
+            elif time.monotonic() - self.dead_since >= ENGINE_DEAD_GRACE_S:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.draining = True
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals once it has shut down, which would kill
+            # the process (status -15) before `serve` stops the engine core; a drained
+            # shutdown is a clean exit (status 0) instead.
+            self._captured_signals.clear()
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.draining = True
+            if self.dead_since is not None:  # the streams have had their error events
+                self.config.timeout_graceful_shutdown = ENGINE_DEAD_GRACE_S
+            timer = asyncio.get_running_loop().call_later(state.settings.shutdown_timeout,
+                                                          state.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return DrainingServer(config)

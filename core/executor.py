@@ -1,0 +1,134 @@
+"""The `Executor` interface: how the engine core runs a `SchedulerOutput` on the model's ranks.
+
+`EngineCore` (core/engine_core.py) owns one executor. ``execute_model(so)`` starts a step and
+returns a `StepHandle`, a future-like object whose ``result()`` is the step's `RunnerOutput`.
+An executor that can run steps concurrently says so with ``max_concurrent_batches`` (> 1): the
+engine core then keeps up to that many steps in flight (its batch queue, after vLLM v1's
+``step_with_batch_queue``), scheduling the next step while earlier ones run -- the pipeline
+stages of `MultiprocExecutor` (core/distributed/executor.py) work on different micro-batches at
+once that way; an executor that overlaps the host's work with the GPU's would too.
+
+Implementations: `UniprocExecutor` (here: one `ModelRunner` in this process, steps complete
+before ``execute_model`` returns) and `MultiprocExecutor` (tensor/pipeline parallel workers).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from .config import EngineConfig
+from .model_loader import ModelSource
+from .model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from .registry import Registry
+from .sampling_state import SamplingState
+from .scheduler import SchedulerOutput
+
+
+class StepHandle(ABC):
+    """A step in flight (a future). ``result()`` blocks until it is done and returns its
+    `RunnerOutput`; it raises what the step raised (`EngineDeadError` when the executor can no
+    longer run steps)."""
+
+    @abstractmethod
+    def result(self) -> RunnerOutput: ...
+
+
+class DoneStep(StepHandle):
+    """A step that finished when it was started."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> RunnerOutput:
+        return self._output
+
+
+class Executor(ABC):
+    """Runs steps on the model. ``driver_runner`` is the `ModelRunner` in this process (rank 0's
+    under parallelism; tests reach into it as ``EngineCore.runner``)."""
+
+    driver_runner: ModelRunner
+    # how many steps the engine core may keep in flight (1: each step waits for the previous)
+    max_concurrent_batches: int = 1
+    # the scheduler may schedule a request's next decode while its previous token is still
+    # being sampled (PLACEHOLDER_TOKEN inputs, which the runner fills in on the device)
+    async_decode: bool = False
+
+    @abstractmethod
+    def initialize_kv_cache(self) -> int:
+        """Size and allocate the KV cache on every rank; returns the number of blocks (the same
+        on all ranks: the smallest any rank can hold). Raises CacheTooSmallError."""
+
+    @abstractmethod
+    def add_request_state(self, request_id: str, state: SamplingState) -> None:
+        """A new request's sampling state, for every rank that samples."""
+
+    @abstractmethod
+    def execute_model(self, so: SchedulerOutput) -> StepHandle:
+        """Start step ``so`` (steps run in the order they are started)."""
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the executor can no longer run steps."""
+
+    def shutdown(self) -> None:
+        """Stop workers and free the KV cache; idempotent."""
+        self.driver_runner.kv_caches = []
+
+
+class _LaunchedStepHandle(StepHandle):
+    """A step launched on the GPU; ``result`` waits for its copy back."""
+
+    def __init__(self, runner: ModelRunner, launched: LaunchedStep) -> None:
+        self._runner, self._launched = runner, launched
+
+    def result(self) -> RunnerOutput:
+        return self._runner.collect(self._launched)
+
+
+class UniprocExecutor(Executor):
+    """One `ModelRunner` in this process. A failed step raises in ``execute_model`` (the engine
+    core finishes that step's requests with an error and goes on).
+
+    With ``async_scheduling`` (vLLM's name), two steps are in flight: ``execute_model`` only
+    launches the GPU work, the engine core schedules and launches the next step (its decodes'
+    input tokens filled in on the device from this step's samples), and only then waits for
+    this one's results -- the CPU work of step N+1 overlaps the GPU work of step N. Otherwise
+    every step is done when ``execute_model`` returns."""
+
+    def __init__(self, runner: ModelRunner, async_scheduling: bool = False) -> None:
+        self.driver_runner = runner
+        self.max_concurrent_batches = 2 if async_scheduling else 1
+        self.async_decode = async_scheduling
+
+    def initialize_kv_cache(self) -> int:
+        num_blocks = self.driver_runner.determine_num_blocks()
+        self.driver_runner.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def add_request_state(self, request_id: str, state: SamplingState) -> None:
+        self.driver_runner.add_request_state(request_id, state)
+
+    def execute_model(self, so: SchedulerOutput) -> StepHandle:
+        if self.async_decode:
+            return _LaunchedStepHandle(self.driver_runner, self.driver_runner.execute_async(so))
+        return DoneStep(self.driver_runner.execute(so))
+
+
+def build_executor(config: EngineConfig, source: ModelSource, hf_config: Any,
+                   registry: Registry, max_model_len: int,
+                   max_num_batched_tokens: int) -> Executor:
+    """`UniprocExecutor` for one rank; `MultiprocExecutor` when ``tensor_parallel_size`` x
+    ``pipeline_parallel_size`` > 1 (it starts the worker processes, or joins ranks started
+    with the torchrun environment). Raises ConfigError and what loading raises."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        runner = ModelRunner(config, source, hf_config, registry, max_model_len,
+                             max_num_batched_tokens)
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:  # default: on CUDA, where the GPU runs ahead of the host
+            async_scheduling = runner.device.type == "cuda"
+        return UniprocExecutor(runner, async_scheduling)
+    from .distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, source, hf_config, registry, max_model_len,
+                             max_num_batched_tokens)

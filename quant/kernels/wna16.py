@@ -1,0 +1,196 @@
+"""Triton GEMM for 4- and 8-bit weights with per-group scales and zero points and 16-bit
+activations (W4A16 / W8A16), over the canonical layout of quant/wna16.py, which AWQ and GPTQ
+checkpoints are repacked into once at load:
+
+    qweight int32 [K * bits / 32, N]   field j of row r = input r * 32/bits + j
+    scales, zeros [G, N]               w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
+    g = k // group_size, or g_idx[k] (int32 [K]) when given
+
+The weights are dequantized in registers, tile by tile, and never written out. Three paths:
+
+- decode sizes (M <= 16): split-K — the K tiles are spread over ``SPLIT_K`` programs per output
+  tile, each adds its fp32 partial sum with an atomic add, so that a GEMV-shaped problem still
+  fills the GPU (the weight read is the whole cost);
+- prefill sizes: one program per (M, N) tile walks all of K;
+- M >= ``DENSE_MIN_M``: dequantize the whole weight once (`wna16_dequantize`) and call cuBLAS,
+  as AutoAWQ does for large inputs (the GEMM is then compute-bound and cuBLAS is faster).
+
+Group handling (``GROUP_MODE``): 0 — a K tile lies inside one group (``BLOCK_K`` divides
+``group_size``): one row of scales and zeros per tile; 1 — ``k // group_size`` per row; 2 —
+``g_idx[k]`` per row. Kernels also run under ``TRITON_INTERPRET=1`` (fp16/fp32) for CI.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
+DECODE_MAX_M = 16
+
+
+@triton.jit
+def _wna16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_size,
+                       stride_xm, stride_qk, stride_sg, stride_om,
+                       BITS: tl.constexpr, GROUP_MODE: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PF: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        q = tl.load(q_ptr + (offs_k // PF)[:, None] * stride_qk + offs_n[None, :], mask=w_ok,
+                    other=0)
+        q = ((q >> ((offs_k % PF) * BITS)[:, None]) & MASK).to(tl.float32)
+        if GROUP_MODE == 0:
+            g = (kt * BLOCK_K) // group_size
+            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        else:
+            if GROUP_MODE == 1:
+                g = offs_k // group_size
+            else:
+                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+            sz = g[:, None] * stride_sg + offs_n[None, :]
+            s = tl.load(s_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
+            w = (q - z) * s
+        acc += tl.dot(x, w.to(x.dtype))
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_ok)
+
+
+@triton.jit
+def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size,
+                          stride_qk, stride_sg, stride_ok,
+                          BITS: tl.constexpr, HAS_GIDX: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    PF: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = offs_k < K
+    ok = k_ok[:, None] & (offs_n < N)[None, :]
+    q = tl.load(q_ptr + (offs_k // PF)[:, None] * stride_qk + offs_n[None, :], mask=ok, other=0)
+    q = ((q >> ((offs_k % PF) * BITS)[:, None]) & MASK).to(tl.float32)
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+    else:
+        g = offs_k // group_size
+    sz = g[:, None] * stride_sg + offs_n[None, :]
+    s = tl.load(s_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+    w = (q - z) * s
+    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
+                device: torch.device) -> dict[str, int]:
+    """Block sizes, split-K, warps and stages for an [m, k] x [k, n] product (heuristics, to
+    be checked with scripts/bench_quant.py on the target GPU)."""
+    if m <= DECODE_MAX_M:
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = dict(block_m=max(16, triton.next_power_of_2(m)), block_n=128, block_k=64,
+                   num_warps=4, num_stages=4)
+    else:
+        cfg = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if not has_g_idx and group_size % cfg["block_k"] and group_size >= 16 and (
+            group_size & (group_size - 1)) == 0:
+        cfg["block_k"] = min(cfg["block_k"], group_size)  # keep one group per K tile
+    split = 1
+    if m <= DECODE_MAX_M:
+        tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
+        k_tiles = triton.cdiv(k, cfg["block_k"])
+        want = max(1, 2 * _num_sms(device) // tiles)
+        split = min(triton.next_power_of_2(want), k_tiles, 16)
+    cfg["split_k"] = split
+    return cfg
+
+
+def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, bits: int, group_size: int,
+               g_idx: torch.Tensor | None = None, *, block_m: int, block_n: int, block_k: int,
+               split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The fused kernel with explicit tile sizes. x: [M, K] fp16/bf16/fp32 (contiguous rows);
+    qweight int32 [K*bits/32, N]; scales, zeros [G, N]; g_idx int32 [K] or None.
+    Returns [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != k:
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not match K={k} at {bits} bits")
+    x = x.contiguous()
+    if g_idx is not None:
+        mode = 2
+    elif group_size % block_k == 0:
+        mode = 0
+    else:
+        mode = 1
+    if split_k > 1:
+        out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    else:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _wna16_gemm_kernel[grid](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+        m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, GROUP_MODE=mode, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype) if split_k > 1 else out
+
+
+def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bits: int, group_size: int, g_idx: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None, block_k: int = 64,
+                     block_n: int = 128) -> torch.Tensor:
+    """Canonical tensors -> W^T [K, N] in ``dtype`` (default: ``scales``')."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    out = torch.empty(k, n, device=qweight.device, dtype=dtype or scales.dtype)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _wna16_dequant_kernel[grid](
+        qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, k, group_size,
+        qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits,
+        HAS_GIDX=g_idx is not None, BLOCK_K=block_k, BLOCK_N=block_n)
+    return out
+
+
+def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, bits: int, group_size: int,
+                 g_idx: torch.Tensor | None = None, dense_min_m: int = DENSE_MIN_M
+                 ) -> torch.Tensor:
+    """``x @ W^T`` for x [M, K] (fp16/bf16) -> [M, N] in x's dtype, choosing the path by M."""
+    m = x.shape[0]
+    if m >= dense_min_m:
+        return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
+    cfg = pick_config(m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device)
+    return wna16_gemm(x, qweight, scales, zeros, bits, group_size, g_idx, **cfg)

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Quantized GEMM microbenchmarks on one CUDA GPU, Llama-3.1-8B linear shapes (bf16
+activations): each quant method's ``apply`` against the bf16 matmul (``F.linear``).
+
+  layers   every method (fp16/bf16, awq = W4A16 g128, gptq 4-bit act-order and 8-bit, int8 W8A8,
+           fp8) on qkv (4096 -> 6144), o (4096 -> 4096), gate_up (4096 -> 28672) and down
+           (14336 -> 4096) at M = 1, 16 (decode) and 256, 2048 (prefill) tokens; decode figures
+           as weight bandwidth (weight bytes / time), prefill as TFLOP/s; plus the sum over one
+           decoder layer and its ratio to bf16 (the batch-1 decode target is >= 1.8x)
+  paths    W4A16 at each M: the Triton split-K/GEMM kernel vs dequantize + cuBLAS, to place
+           quant/kernels/wna16.py's DENSE_MIN_M
+  --sweep  tile configurations of the W4A16 kernel at decode sizes (to tune
+           quant/kernels/wna16.py pick_config)
+
+Every case first checks its result against the dequantized reference. Times are medians of CUDA
+graph replays (triton.testing.do_bench_cudagraph), as decode steps run under CUDA graphs.
+Run on the GPU machine through scripts/gpu-run (docs/gpu.md):
+
+  bash scripts/gpu-run python3 scripts/bench_quant.py --json $OUT/bench_quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+from pagebatch.layers.linear import LinearBase
+from pagebatch.quant.awq import AWQMethod
+from pagebatch.quant.fp8 import FP8Method
+from pagebatch.quant.fp16 import UnquantizedMethod
+from pagebatch.quant.gptq import GPTQMethod
+from pagebatch.quant.int8 import Int8Method
+from pagebatch.quant.kernels import wna16 as kern
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+DECODE_M, PREFILL_M = (1, 16), (256, 2048)
+ROWS: list[dict] = []
+
+
+def methods() -> dict:
+    return {
+        "bf16": lambda: UnquantizedMethod(None, None),
+        "awq": lambda: AWQMethod(None, {"quant_method": "awq", "group_size": 128}),
+        "gptq4_act": lambda: GPTQMethod(None, {"quant_method": "gptq", "bits": 4,
+                                               "group_size": 128, "desc_act": True}),
+        "gptq8": lambda: GPTQMethod(None, {"quant_method": "gptq", "bits": 8,
+                                           "group_size": 128}),
+        "int8": lambda: Int8Method(None, None),
+        "fp8": lambda: FP8Method(None, None),
+    }
+
+
+def time_ms(fn, rep: int = 100) -> float:
+    try:
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - report and fall back to eager timing
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:80]}; eager timing)")
+        return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def make_layer(name: str, k: int, n: int) -> LinearBase:
+    """A layer of method ``name`` with random weights made on the GPU (as load_format: dummy);
+    act-order GPTQ gets a shuffled channel order."""
+    method = methods()[name]()
+    layer = LinearBase(k, [n], False, method, DT, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    method.load_dummy_weights(layer, gen)
+    method.process_weights_after_loading(layer)
+    if name == "gptq4_act":
+        layer.perm = torch.randperm(k, device=DEV, generator=gen)
+    return layer
+
+
+def weight_bytes(layer: LinearBase) -> int:
+    return sum(b.numel() * b.element_size() for b in [*layer.buffers(), *layer.parameters()]
+               if b is not None and b.dim() == 2)
+
+
+def reference(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    qm = layer.quant_method
+    if isinstance(qm, UnquantizedMethod):
+        return x.float() @ layer.weight.float().t()
+    if isinstance(qm, Int8Method):
+        from pagebatch.quant.int8 import quantize_per_token
+
+        xq, xs = quantize_per_token(x)
+        return (xq.float() @ layer.weight_t.float()) * xs * layer.weight_scale
+    return x.float() @ qm.dequantized_weight(layer).float().t()
+
+
+def bench_layers() -> None:
+    print("== layers (us; decode GB/s of weights, prefill TFLOP/s) ==", flush=True)
+    per_layer: dict[tuple[str, int], float] = {}
+    for (shape, (k, n)), name in itertools.product(SHAPES.items(), methods()):
+        layer = make_layer(name, k, n)
+        wb = weight_bytes(layer)
+        for m in DECODE_M + PREFILL_M:
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            try:
+                with torch.no_grad():
+                    err = ((layer(x).float() - reference(layer, x)).norm()
+                           / reference(layer, x).norm()).item()
+                ms = time_ms(lambda: layer(x))
+            except Exception as e:  # noqa: BLE001 - report the case, go on with the others
+                print(f"  {shape:8s} {name:10s} M={m:5d} FAILED {type(e).__name__}: {e}")
+                per_layer[(name, m)] = float("nan")
+                continue
+            per_layer[(name, m)] = per_layer.get((name, m), 0.0) + ms
+            fig = (f"{wb / ms / 1e6:.0f} GB/s" if m in DECODE_M
+                   else f"{2 * m * k * n / ms / 1e9:.0f} TFLOP/s")
+            ROWS.append(dict(group="layers", shape=shape, method=name, m=m, us=ms * 1e3,
+                             weight_mb=wb / 2**20, rel_err=err))
+            print(f"  {shape:8s} {name:10s} M={m:5d} {ms * 1e3:9.1f} us  {fig:>14s}  "
+                  f"weights {wb / 2**20:7.1f} MiB  rel.err {err:.1e}", flush=True)
+        layer = None  # free it before the next one
+        torch.cuda.empty_cache()
+    print("== one decoder layer (qkv + o + gate_up + down), speed-up over bf16 ==")
+    for m in DECODE_M + PREFILL_M:
+        base = per_layer[("bf16", m)]
+        line = "  ".join(f"{name} {base / per_layer[(name, m)]:.2f}x" for name in methods())
+        print(f"  M={m:5d}: {line}")
+        ROWS.append(dict(group="decoder_layer", m=m,
+                         **{name: base / per_layer[(name, m)] for name in methods()}))
+
+
+def bench_paths() -> None:
+    print("== W4A16 paths: Triton kernel vs dequantize + cuBLAS (us) ==", flush=True)
+    for shape, (k, n) in SHAPES.items():
+        layer = make_layer("awq", k, n)
+        args = (layer.qweight, layer.scales, layer.zeros, 4, layer.wgroup_size)
+        for m in (1, 16, 64, 256, 512, 1024, 2048, 4096):
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            cfg = kern.pick_config(m, n, k, layer.wgroup_size, False, DEV)
+            t_kernel = time_ms(lambda: kern.wna16_gemm(x, *args, **cfg))
+            t_dense = time_ms(lambda: x @ kern.wna16_dequantize(*args, dtype=DT))
+            w = torch.randn(n, k, device=DEV, dtype=DT)
+            t_bf16 = time_ms(lambda: F.linear(x, w))
+            ROWS.append(dict(group="paths", shape=shape, m=m, kernel_us=t_kernel * 1e3,
+                             dense_us=t_dense * 1e3, bf16_us=t_bf16 * 1e3, **cfg))
+            print(f"  {shape:8s} M={m:5d} kernel {t_kernel * 1e3:8.1f}  dequant+mm "
+                  f"{t_dense * 1e3:8.1f}  bf16 {t_bf16 * 1e3:8.1f}   {cfg}", flush=True)
+
+
+def bench_sweep() -> None:
+    print("== W4A16 tile sweep (best 3 per case, us) ==", flush=True)
+    for (shape, (k, n)), m in itertools.product(SHAPES.items(), DECODE_M):
+        layer = make_layer("awq", k, n)
+        x = torch.randn(m, k, device=DEV, dtype=DT)
+        ref = reference(layer, x)
+        results = []
+        for bn, bk, sk, warps, stages in itertools.product(
+                (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (4,), (2, 4)):
+            if bk > layer.wgroup_size:
+                continue
+            cfg = dict(block_m=16, block_n=bn, block_k=bk, split_k=sk,
+                       num_warps=warps, num_stages=stages)
+            try:
+                out = kern.wna16_gemm(x, layer.qweight, layer.scales, layer.zeros, 4,
+                                      layer.wgroup_size, **cfg)
+                if ((out.float() - ref).norm() / ref.norm()).item() > 2e-2:
+                    continue
+                ms = time_ms(lambda: kern.wna16_gemm(x, layer.qweight, layer.scales,
+                                                     layer.zeros, 4, layer.wgroup_size, **cfg),
+                             rep=50)
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory
+                continue
+            results.append((ms, cfg))
+        results.sort(key=lambda r: r[0])
+        default = kern.pick_config(m, n, k, layer.wgroup_size, False, DEV)
+        t_default = time_ms(lambda: kern.wna16_gemm(x, layer.qweight, layer.scales,
+                                                    layer.zeros, 4, layer.wgroup_size,
+                                                    **default))
+        print(f"  {shape:8s} M={m:3d} default {t_default * 1e3:7.1f} {default}")
+        for ms, cfg in results[:3]:
+            print(f"      {ms * 1e3:7.1f} {cfg}")
+        ROWS.append(dict(group="sweep", shape=shape, m=m, default_us=t_default * 1e3,
+                         default=default, best=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["layers", "paths", "sweep"], action="append",
+                    help="run only these parts (default: layers and paths)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep W4A16 tile configs")
+    ap.add_argument("--json", help="write every number to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_quant.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    parts = args.only or ["layers", "paths"] + (["sweep"] if args.sweep else [])
+    for part in parts:
+        {"layers": bench_layers, "paths": bench_paths, "sweep": bench_sweep}[part]()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ROWS, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

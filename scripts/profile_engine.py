@@ -1,0 +1,109 @@
+"""Where a step's time goes (GPU machine): wall time per step, GPU kernel time over wall time
+(torch.profiler), and the host functions that cost most (cProfile).
+
+  python3 scripts/profile_engine.py examples/configs/llama-3.1-8b --num-prompts 256 \
+      --input-len 512 --output-len 128 [--decode-only] [--steps 50] [--json OUT]
+
+--decode-only measures steps after every request has its first token (issue 7's T6: GPU busy
+time at batch 256 decode). Busy = kernel time of --steps profiled steps over the wall time of
+--steps steps run just before without the profiler."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--extra", default="", help="engine keys k=v,k=v")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from pagebatch.bench import make_prompts
+    from pagebatch.config import EngineConfig
+    from pagebatch.engine import LLMEngine
+    from pagebatch.request import SamplingParams
+
+    keys = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len)
+    for kv in filter(None, a.extra.split(",")):
+        k, v = kv.split("=")
+        keys[k] = v
+    engine = LLMEngine(EngineConfig.from_sources(cli=keys))
+    prompts = make_prompts(a.num_prompts, a.input_len, 32000)
+    sp = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
+
+    def add_all():
+        for p in prompts:
+            engine.add_request({"prompt_token_ids": p}, sp)
+
+    def drain():
+        while engine.has_unfinished_requests:
+            engine.step()
+
+    add_all()
+    drain()  # warm-up: compiles every kernel variant of the workload
+    add_all()
+    if a.decode_only:  # run until every request has its first token
+        got = set()
+        while len(got) < a.num_prompts:
+            for o in engine.step():
+                got.add(o.request_id)
+        assert 2 * a.steps < a.output_len, "--steps: the batch must stay whole"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()  # wall time without the profiler (it slows the host down)
+    for _ in range(a.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_profiled = time.perf_counter() - t0
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:12]
+    print(f"{a.steps} steps: wall {wall * 1e3 / a.steps:.3f} ms/step (profiled: "
+          f"{wall_profiled * 1e3 / a.steps:.3f}), GPU kernels "
+          f"{kernel_us / 1e3 / a.steps:.3f} ms/step, busy {kernel_us / 1e6 / wall:.1%}")
+    for e in rows:
+        print(f"  {e.self_device_time_total / 1e3 / a.steps:8.3f} ms/step  {e.count // a.steps:4d}x"
+              f"  {e.key[:90]}")
+    drain()
+    # host hot spots over a whole run (without the profiler)
+    add_all()
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    n = 0
+    while engine.has_unfinished_requests:
+        engine.step()
+        n += 1
+    pr.disable()
+    total = time.perf_counter() - t0
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    print(f"whole run under cProfile: {n} steps, {total:.2f} s")
+    print("\n".join(s.getvalue().splitlines()[:45]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"ms_per_step": wall * 1e3 / a.steps,
+                       "kernel_ms_per_step": kernel_us / 1e3 / a.steps,
+                       "busy": kernel_us / 1e6 / wall}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""End to end: the tiny random Llama (tests/conftest.py) written as an AutoAWQ and an AutoGPTQ
+checkpoint folder with quant/packing.py (round to nearest), loaded by pagebatch, gives the
+greedy tokens of transformers running the same model with the dequantized weights in fp32
+(near-tie rule, tests/numerics.py). The fused q/k/v and gate/up layers and the unmerged o/down
+layers all load from the per-projection checkpoint names. Also: every method runs with
+``load_format: dummy`` and on a 16-bit checkpoint quantized at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from numerics import assert_greedy_match, hf_greedy
+from pagebatch import LLM, SamplingParams
+from pagebatch.quant.common import rtn_quantize
+from pagebatch.quant.packing import default_g_idx, dequantize, pack_awq, pack_gptq
+from tiny import random_prompts
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 32  # hidden 64, intermediate 128
+
+
+def _quantize_folder(src: Path, dst: Path, method: str) -> tuple[Path, Path]:
+    """Write ``dst/quant`` (the checkpoint) and ``dst/deq`` (the same model with each linear
+    weight replaced by its dequantized value, unquantized). GPTQ: 4 bits, act-order (one shuffled
+    g_idx per layer input, shared by q/k/v and by gate/up as GPTQ's Hessian order is), v1."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    quant, deq = {}, {}
+    gen = torch.Generator().manual_seed(0)
+    shared_g_idx: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        proj = next((p for p in PROJ if f".{p}." in name), None)
+        if proj is None or not name.endswith(".weight"):
+            quant[name] = deq[name] = t
+            continue
+        prefix = name[: -len(".weight")]
+        k = t.shape[1]
+        if method == "awq":
+            q, z, s = rtn_quantize(t, 4, GROUP, sym=False)
+            s = s.half()
+            quant.update({f"{prefix}.{n}": v for n, v in pack_awq(q, z, s, GROUP).items()})
+            g_idx = default_g_idx(k, GROUP)
+        else:
+            key = prefix.rsplit(".", 1)[0] + {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+                                              "gate_proj": "gu", "up_proj": "gu"}.get(proj, proj)
+            if key not in shared_g_idx:
+                shared_g_idx[key] = default_g_idx(k, GROUP)[torch.randperm(k, generator=gen)]
+            g_idx = shared_g_idx[key]
+            # RTN per group of the act-order channels: gather each group's columns
+            perm = torch.argsort(g_idx, stable=True)
+            q, z, s = rtn_quantize(t[:, perm], 4, GROUP, sym=True)
+            q = torch.empty_like(q).index_copy_(1, perm, q)
+            s = s.half()
+            quant.update({f"{prefix}.{n}": v
+                          for n, v in pack_gptq(q, z, s, g_idx, 4, GROUP, "gptq").items()})
+        deq[name] = dequantize(q, z, s.float(), g_idx)
+    config = json.loads((src / "config.json").read_text())
+    out = {}
+    for sub, weights, qcfg in (
+            ("quant", quant, {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                              "zero_point": True, "version": "gemm"} if method == "awq" else
+             {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
+              "sym": True, "checkpoint_format": "gptq"}),
+            ("deq", deq, None)):
+        folder = dst / sub
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file({n: v.clone().contiguous() for n, v in weights.items()},
+                  str(folder / "model.safetensors"))
+        cfg = dict(config, quantization_config=qcfg) if qcfg else config
+        (folder / "config.json").write_text(json.dumps(cfg))
+        out[sub] = folder
+    return out["quant"], out["deq"]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantized_checkpoint_greedy_equals_dequantized_transformers(tiny_model_dir, tmp_path,
+                                                                      method):
+    from transformers import AutoModelForCausalLM
+
+    qdir, ddir = _quantize_folder(tiny_model_dir, tmp_path, method)
+    hf = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    llm = LLM(str(qdir), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    layer = llm.engine.core.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.name == method
+    if method == "gptq":
+        assert layer.mlp.gate_up_proj.perm is not None  # act-order sorted once at load
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    for p in random_prompts(3, seed=21):
+        ref, gaps = hf_greedy(hf, p, 16)
+        got = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
+        assert_greedy_match(ref, gaps, got.outputs[0].token_ids, what=f"{method} prompt {p}")
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "awq", "gptq"])
+def test_methods_run_on_dummy_and_16bit_weights(tiny_model_dir, method):
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for fmt in ("dummy", "auto"):
+        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                  block_size=4, quantization=method, load_format=fmt)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
