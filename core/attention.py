@@ -7,8 +7,8 @@ of ``block_tables``. Prefill chunks and decodes (one row) mix freely.
 
 KV cache dtype (config ``kv_cache_dtype``): the model dtype, or fp8 e4m3 (``torch.float8_e4m3fn``)
 as vLLM's ``--kv-cache-dtype fp8`` stores it: each layer has scalar ``k_scale`` / ``v_scale``
-(1.0 unless a checkpoint gives them), a cache entry is ``clamp(x / scale, -448, 448)`` rounded to
-e4m3 (nearest even) and reads back as ``float(entry) * scale``.
+(1.0: checkpoint scales are not read yet), a cache entry is ``clamp(x / scale, -448, 448)``
+rounded to e4m3 (nearest even) and reads back as ``float(entry) * scale``.
 """
 
 from __future__ import annotations

@@ -129,7 +129,9 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
         n_out = times[0][2]
         res.update(elapsed_s=elapsed, output_tokens=n_out, output_tok_s=n_out / elapsed)
     else:
-        runs = [run([p]) for p in prompts for _ in range(num_iters)]
+        # each iteration a prompt of its own (ids shifted): TTFT without prefix-cache hits
+        runs = [run([[(t + 1 + i) % 10000 for t in p]]) for p in prompts
+                for i in range(num_iters)]
         ttft = sorted(r[1] for r in runs)[len(runs) // 2]
         decode = sorted((r[2] - 1) / (r[0] - r[1]) for r in runs)[len(runs) // 2]
         res.update(ttft_s=ttft, decode_tok_s=decode)

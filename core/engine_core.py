@@ -251,10 +251,11 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a step and start it, then return the outputs of the oldest step in flight
-        (vLLM v1's ``step_with_batch_queue``). With one step at a time (a single rank, TP):
-        schedule, execute, sample, update. With ``max_concurrent_batches`` > 1 (pipeline
-        stages) the call returns at once while fewer steps are in flight and something new
-        could be scheduled; otherwise it waits for the oldest.
+        (vLLM v1's ``step_with_batch_queue``). With one step at a time (the CPU, or no async
+        scheduling): schedule, execute, sample, update. With ``max_concurrent_batches`` > 1 (async
+        scheduling: 2; pipeline stages: one per stage) the call returns at once while fewer
+        steps are in flight and something new could be scheduled; otherwise it waits for the
+        oldest.
 
         A failure of a step finishes its requests with reason ``error`` and the engine goes on
         with the others; raises EngineDeadError when the executor cannot run steps any more

@@ -109,6 +109,12 @@ class InputBatch:
                 self.num_blocks[slot] = 0
                 self._free.append(slot)
 
+    def retire(self, so: SchedulerOutput) -> None:
+        """Free the slots of the requests ``so`` reports finished or preempted (also when it
+        schedules nothing: a preempted request comes back with a new block table). Idempotent."""
+        self.remove(so.finished_request_ids)
+        self.remove(so.preempted_request_ids)
+
     def _update_blocks(self, request_id: str, block_ids: list[int]) -> int:
         slot = self.slot_of.get(request_id)
         if slot is None:
@@ -140,8 +146,7 @@ class InputBatch:
         sampled ids, for input tokens given as PLACEHOLDER_TOKEN (raises KeyError for a
         placeholder of a request that did not sample in the previous step).
         """
-        self.remove(so.finished_request_ids)
-        self.remove(so.preempted_request_ids)
+        self.retire(so)
         sched = so.scheduled
         b = len(sched)
         slots = np.empty(b, dtype=np.int64)

@@ -281,9 +281,11 @@ class ModelRunner:
         PLACEHOLDER_TOKEN are taken on the device from this call's previous step's samples. A
         decode-only step replays a CUDA graph when they are captured."""
         self.sampling_states.remove(so.finished_request_ids)
-        self._prompt_lp_ids.difference_update(so.finished_request_ids)
+        # an id reused at once keeps its new state (SamplingStates), and its prompt log-probs
+        self._prompt_lp_ids.difference_update(
+            r for r in so.finished_request_ids if r not in self.sampling_states)
+        self.input_batch.retire(so)  # before the empty check: an empty step can preempt
         if so.is_empty:
-            self.input_batch.remove(so.finished_request_ids)
             return LaunchedStep([])
         inp = self.input_batch.prepare(so, self._graph_bucket, self._last_rows)
         dev = self.input_batch.copy_to(self._step_buf, inp.layout)

@@ -118,11 +118,11 @@ class PenaltyState:
             if s.has_penalties and not s.penalty_slot:
                 self.assign(s)
         dev = self.device
-        slots = _to_device([s.penalty_slot for s in states], torch.long, dev)
+        slots = to_device([s.penalty_slot for s in states], torch.long, dev)
         any_rep = any(s.repetition_penalty != 1.0 for s in states)
 
         def col(name: str) -> torch.Tensor:
-            return _to_device([getattr(s, name) for s in states], torch.float32, dev)
+            return to_device([getattr(s, name) for s in states], torch.float32, dev)
 
         return PenaltyBatch(
             output_counts=self.counts[slots],
@@ -136,7 +136,7 @@ class PenaltyState:
         self.counts.index_put_((slots, sampled), (slots > 0).to(torch.int32), accumulate=True)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on ``device``; on CUDA through pinned memory without blocking
     the host (a copy from pageable memory would wait for the GPU to drain)."""
     if device.type != "cuda":
@@ -196,24 +196,24 @@ class SamplingStates:
             batch = SamplingBatch(None, None, None, None, None, True, False, False)
         else:
             batch = SamplingBatch(
-                temperature=_to_device(temps, torch.float32, dev),
-                top_k=_to_device(top_k, torch.long, dev),
-                top_p=_to_device(top_p, torch.float32, dev),
-                seeds=_to_device([s.seed for s in states], torch.long, dev),
-                positions=_to_device(positions, torch.long, dev),
+                temperature=to_device(temps, torch.float32, dev),
+                top_k=to_device(top_k, torch.long, dev),
+                top_p=to_device(top_p, torch.float32, dev),
+                seeds=to_device([s.seed for s in states], torch.long, dev),
+                positions=to_device(positions, torch.long, dev),
                 all_greedy=False,
                 any_top_k=any(0 < k < self.vocab_size for k in top_k),
                 any_top_p=any(p < 1.0 for p in top_p),
             )
         if any(s.min_p > 0.0 and s.temperature >= GREEDY_EPS for s in states):
-            batch.min_p = _to_device([s.min_p for s in states], torch.float32, dev)
+            batch.min_p = to_device([s.min_p for s in states], torch.float32, dev)
         self._penalty_slots = None
         if any(s.has_penalties for s in states):
             batch.penalties, self._penalty_slots = self.penalties.batch(states)
         self._sparse_entries(batch, states, positions)
         lp_rows = [i for i, s in enumerate(states) if s.logprobs is not None]
         if lp_rows:
-            batch.logprob_rows = _to_device(lp_rows, torch.long, dev)
+            batch.logprob_rows = to_device(lp_rows, torch.long, dev)
             batch.num_logprobs = max(states[i].logprobs for i in lp_rows)
         return batch
 
@@ -231,12 +231,12 @@ class SamplingStates:
                 m_ids.extend(s.min_tokens_ids)
         dev = self.device
         if b_rows:
-            batch.bias_rows = _to_device(b_rows, torch.long, dev)
-            batch.bias_token_ids = _to_device(b_ids, torch.long, dev)
-            batch.bias_values = _to_device(b_vals, torch.float32, dev)
+            batch.bias_rows = to_device(b_rows, torch.long, dev)
+            batch.bias_token_ids = to_device(b_ids, torch.long, dev)
+            batch.bias_values = to_device(b_vals, torch.float32, dev)
         if m_rows:
-            batch.masked_rows = _to_device(m_rows, torch.long, dev)
-            batch.masked_token_ids = _to_device(m_ids, torch.long, dev)
+            batch.masked_rows = to_device(m_rows, torch.long, dev)
+            batch.masked_token_ids = to_device(m_ids, torch.long, dev)
 
     def update(self, sampled: torch.Tensor) -> None:
         """After sampling the last batch: count its sampled ids [n] int64 (on the device)."""

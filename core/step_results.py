@@ -16,7 +16,7 @@ import torch
 
 from .request import LogprobsLists
 from .sampler import LogprobsTensors, compute_logprobs, gather_logprobs
-from .sampling_state import SamplingState
+from .sampling_state import SamplingState, to_device
 from .scheduler import ScheduledRequest
 
 PROMPT_LOGPROBS_CHUNK = 512  # prompt rows per logits computation (bounds [rows, vocab] memory)
@@ -112,10 +112,8 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     """Log-probs of every job's prompt rows, PROMPT_LOGPROBS_CHUNK rows of logits at a
     time, with the largest N of the jobs."""
     dev = hidden.device
-    rows = torch.tensor([j.row0 + i for j in jobs for i in range(len(j.targets))],
-                        dtype=torch.long, device=dev)
-    targets = torch.tensor([t for j in jobs for t in j.targets], dtype=torch.long,
-                           device=dev)
+    rows = to_device([j.row0 + i for j in jobs for i in range(len(j.targets))], torch.long, dev)
+    targets = to_device([t for j in jobs for t in j.targets], torch.long, dev)
     num = max(j.num for j in jobs)
     parts = []
     for a in range(0, rows.shape[0], PROMPT_LOGPROBS_CHUNK):

@@ -100,3 +100,26 @@ def test_capture_sizes_and_buckets():
     sizes = capture_sizes(40)
     assert [bucket_for(n, sizes) for n in (1, 3, 5, 16, 17, 33, 40, 41)] == [
         1, 4, 8, 16, 32, 40, 40, None]
+
+
+def test_an_empty_step_that_preempts_frees_the_slot():
+    """A step that schedules nothing can still preempt (async scheduling: the running requests'
+    tokens are in flight, the one admitted last is its own victim): its slot must go, or its
+    next block table would keep the old block ids."""
+    ib = _batch()
+    ib.prepare(_so(ScheduledRequest("b", [1, 2, 3, 4, 5], 0, [2, 1], True)))
+    ib.retire(_so(preempted=["b"]))
+    assert "b" not in ib.slot_of
+    inp = ib.prepare(_so(ScheduledRequest("b", [1, 2, 3, 4, 5, 6], 0, [0, 3], True)))
+    assert inp.host["block_tables"][0].tolist() == [0, 3]
+
+
+def test_the_runner_retires_slots_on_an_empty_step(tiny_model_dir):
+    from pagebatch import LLM
+
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4)
+    runner = llm.engine.core.runner
+    runner.input_batch.prepare(_so(ScheduledRequest("x", [1, 2, 3], 0, [5], False)))
+    assert "x" in runner.input_batch.slot_of
+    runner.execute(_so(preempted=["x"]))
+    assert "x" not in runner.input_batch.slot_of
