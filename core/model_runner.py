@@ -272,14 +272,15 @@ class ModelRunner:
         return self.collect(self.execute_async(so))
 
     @torch.inference_mode()
-    def execute_async(self, so: SchedulerOutput) -> LaunchedStep:
+    def execute_async(self, so: SchedulerOutput, copy_back: bool = True) -> LaunchedStep:
         """Launch one step: the sampled token of every request with ``sample``, and log-probs
         for the requests that asked for them (of the sampled token; of the prompt positions
         computed in this step). The step's inputs reach the device in one host-to-device copy
         and the results start back in one device-to-host copy; nothing waits for the GPU, so
         the caller can prepare the next step meanwhile (`collect` waits). Input tokens given as
         PLACEHOLDER_TOKEN are taken on the device from this call's previous step's samples. A
-        decode-only step replays a CUDA graph when they are captured."""
+        decode-only step replays a CUDA graph when they are captured. ``copy_back=False``: a
+        rank whose results nobody reads (tensor/pipeline parallel workers) skips the copy."""
         self.sampling_states.remove(so.finished_request_ids)
         # an id reused at once keeps its new state (SamplingStates), and its prompt log-probs
         self._prompt_lp_ids.difference_update(
@@ -331,7 +332,7 @@ class ModelRunner:
             states = self.sampling_states
             h.logprob_widths = [(r, 1 + states[r].logprobs) for r in sample_ids
                                 if states[r].logprobs is not None]
-        return start_copy_back(h)
+        return start_copy_back(h) if copy_back else h
 
     def collect(self, h: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its results on the host."""

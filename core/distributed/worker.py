@@ -99,7 +99,7 @@ class Worker:
             for rid, state in msg.new_states:
                 runner.add_request_state(rid, state)
             if not self.sends_results:
-                self.launched = runner.execute_async(msg.so)
+                self.launched = runner.execute_async(msg.so, copy_back=False)
                 continue
             out = runner.execute(msg.so)
             if not msg.so.is_empty:
