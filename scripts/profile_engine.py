@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--extra", default="", help="engine keys k=v,k=v")
     ap.add_argument("--json")
+    ap.add_argument("--trace", help="write the profiled steps' Chrome trace (timeline) here")
     a = ap.parse_args()
     from pagebatch.bench import make_prompts
     from pagebatch.config import EngineConfig
@@ -69,11 +70,16 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    if a.trace:
+        acts.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=acts) as prof:
         for _ in range(a.steps):
             engine.step()
         torch.cuda.synchronize()
     wall_profiled = time.perf_counter() - t0
+    if a.trace:  # host launches and GPU kernels on one timeline: where the GPU waits
+        prof.export_chrome_trace(a.trace)
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:12]
     print(f"{a.steps} steps: wall {wall * 1e3 / a.steps:.3f} ms/step (profiled: "
