@@ -57,12 +57,6 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
     add_serve_bench_parser(bsub)  # no engine keys: it drives a server at --base-url
 
 
-def make_prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    hi = min(vocab, 10000) - 1
-    return [[rng.randint(100, hi) for _ in range(input_len)] for _ in range(num)]
-
-
 def make_workload(args: argparse.Namespace, vocab: int,
                   seed: int) -> tuple[list[list[int]], list[int]]:
     """(prompts, output length of each) for the bench arguments."""
@@ -81,14 +75,13 @@ def make_workload(args: argparse.Namespace, vocab: int,
 
 
 def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
-                    output_len: int | list[int], num_iters: int) -> dict[str, Any]:
+                    out_lens: list[int], num_iters: int) -> dict[str, Any]:
     from .engine import LLMEngine
     from .request import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     startup = time.perf_counter() - t0
-    out_lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in set(out_lens)}
     sp_of = {i: params[n] for i, n in enumerate(out_lens)}

@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .model_loader import ModelSource
-from .model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from .model_runner import LaunchedStep, ModelRunner, RunnerOutput, resolve_device
 from .registry import Registry
 from .sampling_state import SamplingState
 from .scheduler import SchedulerOutput
@@ -115,6 +115,14 @@ class UniprocExecutor(Executor):
         return DoneStep(self.driver_runner.execute(so))
 
 
+def async_scheduling(config: EngineConfig) -> bool:
+    """``async_scheduling``, its default resolved: on with CUDA, where the GPU runs ahead of the
+    host; off on the CPU."""
+    if config.async_scheduling is not None:
+        return bool(config.async_scheduling)
+    return resolve_device(config.device).type == "cuda"
+
+
 def build_executor(config: EngineConfig, source: ModelSource, hf_config: Any,
                    registry: Registry, max_model_len: int,
                    max_num_batched_tokens: int) -> Executor:
@@ -124,10 +132,7 @@ def build_executor(config: EngineConfig, source: ModelSource, hf_config: Any,
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         runner = ModelRunner(config, source, hf_config, registry, max_model_len,
                              max_num_batched_tokens)
-        async_scheduling = config.async_scheduling
-        if async_scheduling is None:  # default: on CUDA, where the GPU runs ahead of the host
-            async_scheduling = runner.device.type == "cuda"
-        return UniprocExecutor(runner, async_scheduling)
+        return UniprocExecutor(runner, async_scheduling(config))
     from .distributed.executor import MultiprocExecutor
 
     return MultiprocExecutor(config, source, hf_config, registry, max_model_len,

@@ -61,7 +61,6 @@ class StepInputs:
     """One step's inputs on the host. Arrays are views into the pinned buffer."""
 
     layout: StepLayout
-    num_reqs: int  # real requests (B may include CUDA-graph padding)
     padded: bool  # the CUDA-graph layout
     host: dict[str, np.ndarray]
     sample_ids: list[str]  # requests that sample, in logits-row order
@@ -71,6 +70,11 @@ class StepInputs:
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs]
     num_fills: int = 0  # placeholder input tokens to take from the previous step's samples
+
+    @property
+    def num_reqs(self) -> int:
+        """Real requests (the layout's B may include CUDA-graph padding)."""
+        return len(self.seq_lens)
 
 
 class InputBatch:
@@ -202,7 +206,7 @@ class InputBatch:
             host["seq_lens"][b:] = 1
             host["block_tables"][b:] = 0
         sample_positions = positions[logits_rows].tolist()
-        return StepInputs(layout, b, graph_batch is not None, host, sample_ids,
+        return StepInputs(layout, graph_batch is not None, host, sample_ids,
                           sample_positions, int(qlens.max()), int(seq_lens.max()),
                           qsl.tolist(), seq_lens.tolist(), len(fills))
 

@@ -285,8 +285,8 @@ class ModelRunner:
         # an id reused at once keeps its new state (SamplingStates), and its prompt log-probs
         self._prompt_lp_ids.difference_update(
             r for r in so.finished_request_ids if r not in self.sampling_states)
-        self.input_batch.retire(so)  # before the empty check: an empty step can preempt
         if so.is_empty:
+            self.input_batch.retire(so)  # an empty step can still preempt (prepare does it else)
             return LaunchedStep([])
         inp = self.input_batch.prepare(so, self._graph_bucket, self._last_rows)
         dev = self.input_batch.copy_to(self._step_buf, inp.layout)

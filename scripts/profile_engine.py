@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--trace", help="write the profiled steps' Chrome trace (timeline) here")
     a = ap.parse_args()
-    from pagebatch.bench import make_prompts
+    from pagebatch.bench import make_workload
     from pagebatch.config import EngineConfig
     from pagebatch.engine import LLMEngine
     from pagebatch.request import SamplingParams
@@ -43,7 +43,9 @@ def main() -> None:
         k, v = kv.split("=")
         keys[k] = v
     engine = LLMEngine(EngineConfig.from_sources(cli=keys))
-    prompts = make_prompts(a.num_prompts, a.input_len, 32000)
+    prompts, _ = make_workload(argparse.Namespace(
+        num_prompts=a.num_prompts, input_len=a.input_len, input_len_min=None,
+        output_len=a.output_len, output_len_min=None), 32000, 0)
     sp = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
 
     def add_all():

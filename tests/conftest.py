@@ -82,3 +82,32 @@ def smollm2_llm():
 
     return LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_memory="512MiB",
                max_model_len=2048)
+
+
+# The HTTP API test files' server (module scope: each module that uses it gets its own, so it
+# knows its own traffic) and clients; tests/http_helpers.py has the rest.
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir):
+    from http_helpers import tiny_server
+
+    with tiny_server(tiny_model_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base):
+    import httpx
+    from http_helpers import KEY
+
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    import openai
+    from http_helpers import KEY
+
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)

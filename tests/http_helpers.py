@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
+
+from pagebatch.distributed.parallel_state import free_port
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -33,12 +34,6 @@ ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=96, block_size=4
 
 PROMPT = "w5 w6 w7 w8"
 GREEDY = dict(temperature=0.0, max_tokens=8, extra_body={"ignore_eos": True})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -62,15 +57,19 @@ def uvicorn_server(app: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def tiny_server(model_dir: Any) -> Iterator[str]:
-    """`build_app` on uvicorn over the tiny model in ``model_dir`` with ENGINE_KEYS, the engine
-    core in its own process (one torch thread); yields the base URL."""
+def tiny_server(model_dir: Any, keys: dict[str, Any] | None = None,
+                step_s: float = 0.0) -> Iterator[str]:
+    """`build_app` on uvicorn over the tiny model in ``model_dir`` with ``keys`` (default
+    ENGINE_KEYS), the engine core in its own process (one torch thread; each step slowed by
+    ``step_s`` seconds when given, see `slow_core`); yields the base URL."""
     from pagebatch import AsyncEngine, EngineConfig
     from pagebatch.plugins.frontends.http.server import build_app
     from procs import one_thread_children
 
-    config = EngineConfig.from_sources(cli={"model": str(model_dir), **ENGINE_KEYS})
-    with one_thread_children():
+    config = EngineConfig.from_sources(cli={"model": str(model_dir),
+                                            **(ENGINE_KEYS if keys is None else keys)})
+    slow = slow_core(step_s) if step_s else contextlib.nullcontext()
+    with one_thread_children(), slow:
         engine = AsyncEngine.from_config(config, multiprocess=True)
     try:
         with uvicorn_server(build_app(engine, config)) as base:

@@ -19,12 +19,9 @@ import time
 import httpx
 import pytest
 
-from pagebatch import AsyncEngine, EngineConfig
-from pagebatch.plugins.frontends.http.server import build_app
 from pagebatch.plugins.frontends.http.streams import EventStreamResponse
 from http_helpers import ENGINE_KEYS, KEY, MODEL, cli_args, events, metric, serve_process, \
-    slow_core, uvicorn_server
-from procs import one_thread_children
+    tiny_server
 
 STEP_S = 0.2  # the slow core's sleep before each step
 SLOW_KEYS = dict(ENGINE_KEYS, max_num_batched_tokens=16)  # a 110-token prompt: 7 prefill steps
@@ -32,14 +29,8 @@ SLOW_KEYS = dict(ENGINE_KEYS, max_num_batched_tokens=16)  # a 110-token prompt: 
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_model_dir):
-    config = EngineConfig.from_sources(cli={"model": str(tiny_model_dir), **SLOW_KEYS})
-    with one_thread_children(), slow_core(STEP_S):
-        engine = AsyncEngine.from_config(config, multiprocess=True)
-    try:
-        with uvicorn_server(build_app(engine, config)) as base:
-            yield base
-    finally:
-        engine.shutdown()
+    with tiny_server(tiny_model_dir, SLOW_KEYS, step_s=STEP_S) as base:
+        yield base
 
 
 @pytest.fixture

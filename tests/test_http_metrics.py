@@ -7,29 +7,9 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
-import openai
 import pytest
 
-from http_helpers import GREEDY, KEY, MODEL, PROMPT, metric, tiny_server
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir):
-    with tiny_server(tiny_model_dir) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def http(base):
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+from http_helpers import GREEDY, KEY, MODEL, PROMPT, metric
 
 
 # ---- metrics -----------------------------------------------------------------------------------

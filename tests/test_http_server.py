@@ -12,25 +12,7 @@ import httpx
 import openai
 import pytest
 
-from http_helpers import GREEDY, KEY, MODEL, PROMPT, events, tiny_server
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir):
-    with tiny_server(tiny_model_dir) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def http(base):
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+from http_helpers import GREEDY, KEY, MODEL, PROMPT, events
 
 
 # ---- endpoints ---------------------------------------------------------------------------------

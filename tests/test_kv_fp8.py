@@ -18,30 +18,22 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pagebatch import LLM, SamplingParams
 from pagebatch.attention import (FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend,
-                                 AttentionMetadata, resolve_kv_cache_dtype)
+                                 resolve_kv_cache_dtype)
 from pagebatch.config import EngineConfig
 from pagebatch.errors import ConfigError
 from pagebatch.plugins.attention.torch_ref import TorchRefBackend, quantize_fp8
 from tiny import random_prompts
 
-ON_GPU = torch.cuda.is_available()
+from interpreted import DEVICE, ON_GPU, REL_TOL, make_batch, rel_err, run_under_interpreter
+
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 FP8_GPU = ON_GPU and torch.cuda.get_device_capability() >= (8, 9)
-# ||out - ref|| / ||ref|| against torch_ref on the dequantized cache (test_triton_attention.py)
-REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def dequantize(cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
@@ -51,42 +43,12 @@ def dequantize(cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.Ten
 
 def fp8_batch(seed, query_lens, context_lens, hq, hkv, d, block_size, dtype, k_scale,
               v_scale, magnitude=3.0):
-    """A NaN-poisoned fp8 cache on DEVICE holding each request's cached prefix at shuffled
-    blocks (written by torch_ref); returns (cache, metadata, query, new_k, new_v), the new K/V
-    still to be written."""
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in context_lens) + 4
-    cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan")).to(FP8_KV_DTYPE)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    ref = TorchRefBackend()
-    qs, slots, ks, vs, tables, qsl = [], [], [], [], [], [0]
-    for n, length in zip(query_lens, context_lens):
-        table = [free.pop() for _ in range(-(-length // block_size))]
-        k = (torch.randn(length, hkv, d, generator=g) * magnitude).to(dtype)
-        v = (torch.randn(length, hkv, d, generator=g) * magnitude).to(dtype)
-        pos = torch.arange(length)
-        slot = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-        ref.write_kv(k[:length - n], v[:length - n], cache, slot[:length - n], k_scale=k_scale,
-                     v_scale=v_scale)
-        qs.append(torch.randn(n, hq, d, generator=g).to(dtype))
-        slots.append(slot[length - n:])
-        ks.append(k[length - n:])
-        vs.append(v[length - n:])
-        tables.append(table)
-        qsl.append(qsl[-1] + n)
-    width = max(len(t) for t in tables) + 1  # a padding column past every table
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    dev = DEVICE
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-        block_tables=bt.to(dev), max_query_len=max(query_lens), max_seq_len=max(context_lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(context_lens))
-    return (cache.to(dev), meta, torch.cat(qs).to(dev), torch.cat(ks).to(dev),
-            torch.cat(vs).to(dev))
+    """`make_batch` with an fp8 cache whose prefix torch_ref wrote with these scales."""
+    def write(k, v, cache, slot):
+        TorchRefBackend().write_kv(k, v, cache, slot, k_scale=k_scale, v_scale=v_scale)
+
+    return make_batch(seed, query_lens, context_lens, hq, hkv, d, block_size, dtype,
+                      cache_dtype=FP8_KV_DTYPE, magnitude=magnitude, write=write)
 
 
 def ragged(seed: int, mode: str, n: int, max_ctx: int) -> tuple[list[int], list[int]]:
@@ -179,15 +141,7 @@ def _triton_here():
 
 def test_triton_kernels_under_interpreter():
     """CPU: the test_triton_* tests of this file in a fresh process under TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if ON_GPU or IN_INTERPRETER:
-        pytest.skip("kernels run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-         "-k", "test_triton_ and not under_interpreter", __file__],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    run_under_interpreter(__file__, select="test_triton_ and not under_interpreter")
 
 
 @pytest.mark.parametrize("scale", [0.5, 4.0])

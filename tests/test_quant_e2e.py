@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from numerics import assert_greedy_match, hf_greedy
+from pagebatch.layers.linear import LinearBase
 from pagebatch import LLM, SamplingParams
 from pagebatch.quant.common import rtn_quantize
 from pagebatch.quant.packing import default_g_idx, dequantize, pack_awq, pack_gptq
@@ -105,3 +106,6 @@ def test_methods_run_on_dummy_and_16bit_weights(tiny_model_dir, method):
                   block_size=4, quantization=method, load_format=fmt)
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 4
+        linears = [m for m in llm.engine.core.runner.model.modules()
+                   if isinstance(m, LinearBase)]
+        assert linears and all(m.quant_method.name == method for m in linears)

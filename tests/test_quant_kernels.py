@@ -21,16 +21,12 @@ from pagebatch.quant.packing import default_g_idx, pack_awq, pack_gptq
 from pagebatch.quant.wna16 import dequantize_canonical
 
 from interpreted import (DEVICE, DTYPES, IN_PROCESS, ON_GPU, REL_TOL,  # noqa: F401
-                         kernels_run_here, run_under_interpreter)
+                         kernels_run_here, rel_err, run_under_interpreter)
 
 
 def test_kernels_under_interpreter():
     """CPU: this file in a fresh process under TRITON_INTERPRET=1; fails with its output."""
     run_under_interpreter(__file__, timeout=600)
-
-
-def _rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _quant_layer(kind: str, k: int, n: int, bits: int, group_size: int, dtype, seed: int = 0):
@@ -81,7 +77,7 @@ def test_gemm_equals_dequantized(kind, bits, k, n, group_size, m, block_k, split
     out = wna16_gemm(x, layer.qweight, layer.scales, layer.zeros, bits, layer.wgroup_size,
                      layer.g_idx, block_m=16, block_n=32, block_k=block_k, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert _rel_err(out, x.float() @ wt) < REL_TOL[dtype]
+    assert rel_err(out, x.float() @ wt) < REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("kind,bits,k,n,group_size", LAYERS[:4])
@@ -110,7 +106,7 @@ def test_matmul_paths_and_config():
     for dense_min_m in (10**9, 1):
         out = wna16_matmul(x, layer.qweight, layer.scales, layer.zeros, 4, 32,
                            dense_min_m=dense_min_m)
-        assert _rel_err(out, ref) < REL_TOL[torch.float16]
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="whole layers run the kernels only on CUDA")
@@ -123,4 +119,4 @@ def test_layer_apply_on_gpu(kind, bits, k, n, group_size, m, dtype):
     layer = _quant_layer(kind, k, n, bits, group_size, dtype)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     ref = x.float() @ layer.quant_method.dequantized_weight(layer).float().t()
-    assert _rel_err(layer(x), ref) < REL_TOL[dtype]
+    assert rel_err(layer(x), ref) < REL_TOL[dtype]

@@ -22,6 +22,8 @@ from pagebatch.quant.packing import (default_g_idx, dequantize, dequantize_awq, 
                                      pack_gptq, quantize_fp8_per_channel,
                                      quantize_int8_per_channel)
 
+from interpreted import rel_err
+
 K = 128
 LAYOUTS = {"merged": [64, 32, 32], "single": [64]}
 
@@ -42,10 +44,6 @@ def _load(layer, shards: list[dict[str, torch.Tensor]]):
         for name in sorted(tensors):
             layer.load(name, tensors[name], i if merged else None)
     layer.quant_method.process_weights_after_loading(layer)
-
-
-def _rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _convention(out, bits, group_size, seed, zero_min=0, sym=False):
@@ -83,7 +81,7 @@ def test_awq_apply_equals_dequantized(layout, group_size, zero_point):
     _load(layer, shards)
     x = torch.randn(7, K)
     ref = x @ torch.cat(ref_w).float().t() + torch.cat([d["bias"] for d in shards])
-    assert _rel_err(layer(x), ref) < 1e-6
+    assert rel_err(layer(x), ref) < 1e-6
     assert torch.allclose(method.dequantized_weight(layer).float(), torch.cat(ref_w).float())
 
 
@@ -118,7 +116,7 @@ def test_gptq_apply_equals_dequantized(layout, bits, group_size, fmt, sym, act_o
     _load(layer, shards)
     assert (layer.perm is not None) == act_order and layer.g_idx is None
     x = torch.randn(5, K)
-    assert _rel_err(layer(x), x @ torch.cat(ref_w).float().t()) < 1e-6
+    assert rel_err(layer(x), x @ torch.cat(ref_w).float().t()) < 1e-6
     assert torch.allclose(method.dequantized_weight(layer).float(), torch.cat(ref_w).float())
 
 
@@ -132,7 +130,7 @@ def test_gptq_irregular_g_idx_reads_groups_per_row():
     _load(layer, [pack_gptq(q, z, s, g_idx, 4, 32, "gptq_v2")])
     assert layer.g_idx is not None
     x = torch.randn(3, K)
-    assert _rel_err(layer(x), x @ dequantize(q, z, s.float(), g_idx).t()) < 1e-6
+    assert rel_err(layer(x), x @ dequantize(q, z, s.float(), g_idx).t()) < 1e-6
 
 
 def test_gptq_shards_with_different_g_idx_are_refused():
@@ -166,8 +164,8 @@ def test_int8_apply_equals_w8a8_reference(layout, source):
     wq = torch.cat([q for q, _ in qs]).double()
     ws_ = torch.cat([s for _, s in qs]).double()
     ref = (xq.double() @ wq.t()) * xs.double() * ws_
-    assert _rel_err(layer(x), ref) < 1e-6
-    assert _rel_err(layer(x), x @ torch.cat(ws).t()) < 0.02  # and close to the float layer
+    assert rel_err(layer(x), ref) < 1e-6
+    assert rel_err(layer(x), x @ torch.cat(ws).t()) < 0.02  # and close to the float layer
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -190,7 +188,7 @@ def test_fp8_apply_equals_dequantized(layout, source):
         ref_w = torch.cat([q.float() * s[:, None] for q, s in qs])
         _load(layer, [{"weight": w} for w in ws])
     x = torch.randn(4, K)
-    assert _rel_err(layer(x), x @ ref_w.t()) < 1e-6
+    assert rel_err(layer(x), x @ ref_w.t()) < 1e-6
 
 
 def test_unexpected_tensors_are_refused():
@@ -214,7 +212,7 @@ def test_float_checkpoint_quantized_at_load(method):
     ws = [torch.randn(o, K) * 0.05 for o in [64, 32, 32]]
     _load(layer, [{"weight": w} for w in ws])
     x = torch.randn(6, K)
-    err = _rel_err(layer(x), x @ torch.cat(ws).t())
+    err = rel_err(layer(x), x @ torch.cat(ws).t())
     # 4 bits, group 128 on Gaussian weights: a step of ~0.35 sigma, rms error ~0.1 sigma
     assert err < {"awq": 0.13, "gptq": 0.18, "int8": 0.02, "fp8": 0.05}[method.name], err
 
@@ -330,7 +328,7 @@ def test_tensor_parallel_ranks_cut_their_part(kind, parallel):
             if kind == "int8":
                 xq, sc = xs[rank]
                 w_r = w[:, rank * K // 2:(rank + 1) * K // 2].double()
-                assert _rel_err(parts[-1], (xq.double() * sc.double()) @ w_r.t()) < 1e-6
+                assert rel_err(parts[-1], (xq.double() * sc.double()) @ w_r.t()) < 1e-6
         else:
             parts.append(layer.quant_method.apply(layer, x))
     if parallel == "row":
@@ -342,7 +340,7 @@ def test_tensor_parallel_ranks_cut_their_part(kind, parallel):
             pieces += [p[:, off:off + size // 2] for p in parts]
         got = torch.cat(pieces, dim=1)
     tol = 0.02 if kind == "int8" else 1e-6
-    assert _rel_err(got, x @ w.t()) < tol
+    assert rel_err(got, x @ w.t()) < tol
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the torch._int_mm / _scaled_mm paths")
@@ -363,4 +361,4 @@ def test_int8_fp8_cuda_paths(kind, k, n, m):
     else:
         ref = x.double() @ method.dequantized_weight(layer).double().t()
     tol = 0.05 if kind == "fp8" and layer.use_scaled_mm else 0.01  # fp8 activations on sm89+
-    assert _rel_err(layer(x), ref) < tol
+    assert rel_err(layer(x), ref) < tol

@@ -15,11 +15,10 @@ import random
 import pytest
 import torch
 
-from pagebatch.attention import AttentionMetadata
 from pagebatch.plugins.attention.torch_ref import TorchRefBackend
 
 from interpreted import (DEVICE, DTYPES, IN_PROCESS, ON_GPU, REL_TOL,  # noqa: F401
-                         kernels_run_here, run_under_interpreter)
+                         kernels_run_here, make_batch, rel_err, run_under_interpreter)
 
 
 def test_kernels_under_interpreter():
@@ -31,48 +30,6 @@ def _backend():
     from pagebatch.plugins.attention.triton_backend import TritonBackend
 
     return TritonBackend()
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def make_batch(seed, query_lens, context_lens, hq, hkv, d, block_size, dtype):
-    """A NaN-poisoned paged cache (on DEVICE, ``dtype``) holding each request's cached prefix
-    at shuffled blocks; returns (cache, metadata, query, new_k, new_v): the new K/V still to be
-    written by slot mapping."""
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in context_lens) + 4
-    cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    qs, slots, ks, vs, tables, qsl = [], [], [], [], [], [0]
-    for n, length in zip(query_lens, context_lens):
-        table = [free.pop() for _ in range(-(-length // block_size))]
-        k = torch.randn(length, hkv, d, generator=g).to(dtype)
-        v = torch.randn(length, hkv, d, generator=g).to(dtype)
-        pos = torch.arange(length)
-        slot = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-        cache[0].view(-1, hkv, d)[slot[:length - n]] = k[:length - n]
-        cache[1].view(-1, hkv, d)[slot[:length - n]] = v[:length - n]
-        qs.append(torch.randn(n, hq, d, generator=g).to(dtype))
-        slots.append(slot[length - n:])
-        ks.append(k[length - n:])
-        vs.append(v[length - n:])
-        tables.append(table)
-        qsl.append(qsl[-1] + n)
-    width = max(len(t) for t in tables) + 1  # a padding column past every table
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    dev = DEVICE
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-        block_tables=bt.to(dev), max_query_len=max(query_lens), max_seq_len=max(context_lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(context_lens))
-    return (cache.to(dev), meta, torch.cat(qs).to(dev), torch.cat(ks).to(dev),
-            torch.cat(vs).to(dev))
 
 
 def ragged_batch(seed: int, mode: str, n: int, max_ctx: int) -> tuple[list[int], list[int]]:

@@ -43,7 +43,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineDeadError
-from ..executor import DoneStep, Executor, StepHandle
+from ..executor import DoneStep, Executor, StepHandle, async_scheduling
 from ..model_loader import ModelSource
 from ..model_runner import ModelRunner, RunnerOutput, resolve_device
 from ..registry import Registry
@@ -74,12 +74,9 @@ class MultiprocExecutor(Executor):
         self.world = tp * pp
         self.config = config
         device = resolve_device(config.device)
-        asynchronous = config.async_scheduling
-        if asynchronous is None:
-            asynchronous = device.type == "cuda"
         # placeholders for tokens still being sampled need the sampled ids on every rank: one
         # stage only (pipeline stages before the last never see them)
-        self.async_decode = bool(asynchronous) and pp == 1
+        self.async_decode = async_scheduling(config) and pp == 1
         self.max_concurrent_batches = pp if pp > 1 else 2 if self.async_decode else 1
         self.group = WorkerGroup(self.world, self._fail)
         self._dead: str | None = None

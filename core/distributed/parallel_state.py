@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .comm import all_gather, all_reduce, recv_tensor, send_tensor
 
 # the torchrun environment (torch.distributed's env:// rendezvous)
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -85,23 +86,17 @@ class ParallelContext:
         """Sum of ``x`` over the TP group (in place); identity when tp_size == 1."""
         if self.tp_size == 1:
             return x
-        from .comm import all_reduce
-
         return all_reduce(x, self.tp_group)
 
     def tp_all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """TP ranks' ``x`` concatenated along ``dim`` in rank order; identity when tp_size == 1."""
         if self.tp_size == 1:
             return x
-        from .comm import all_gather
-
         return all_gather(x, self.tp_size, dim, self.tp_group)
 
     def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Send a stage's output (hidden and residual, [T, H] each) to the next stage, without
         waiting for it to be received (the previous send is waited for first)."""
-        from .comm import send_tensor
-
         self.wait_sends()
         payload = torch.cat([hidden, residual], dim=-1).contiguous()
         work = send_tensor(payload, self.next_rank, self.world_group)
@@ -110,8 +105,6 @@ class ParallelContext:
     def recv_hidden(self, num_tokens: int, hidden_size: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive the previous stage's (hidden, residual), [num_tokens, hidden_size] each."""
-        from .comm import recv_tensor
-
         buf = torch.empty(num_tokens, 2 * hidden_size, dtype=dtype, device=self.device)
         recv_tensor(buf, self.prev_rank, self.world_group)
         return buf[:, :hidden_size], buf[:, hidden_size:]

@@ -87,8 +87,8 @@ class ShmRingBuffer:
 
     # ---- reader -------------------------------------------------------------------------------
 
-    def read(self, check: Callable[[], None]) -> bytes:
-        """The next message."""
+    def read(self, check: Callable[[], None]) -> bytearray:
+        """The next message (a fresh buffer: no second copy of it is made)."""
         out, got, total = bytearray(), 0, None
         while total is None or got < total:
             s = self._seq
@@ -100,7 +100,7 @@ class ShmRingBuffer:
             got += n
             self._read[self.reader, 0] = s + 1
             self._seq = s + 1
-        return bytes(out)
+        return out
 
     def close(self, unlink: bool = False) -> None:
         # drop our views before closing the mapping (numpy arrays export the buffer)

@@ -198,9 +198,6 @@ class WorkerGroup:
                 return f"pid {proc.pid}, killed by signal {-code}"
         return f"pid {proc.pid}, exit code {code}"
 
-    def any_dead(self) -> bool:
-        return any(w.proc is not None and not w.proc.is_alive() for w in self.workers.values())
-
     def terminate(self) -> None:
         """Stop every worker now (a remote one exits when its connection closes)."""
         for w in self.workers.values():

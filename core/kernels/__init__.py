@@ -8,4 +8,24 @@ the plain torch path). Each module imports Triton, so import one only where it w
 
 Each rounds where its torch version in core/layers/ rounds, so the two agree to fp32 rounding
 (e.g. ``x + residual`` is rounded to x's dtype before it is normalised).
+
+`num_sms` (here, no Triton import) is what the launch heuristics of every kernel family size
+their grids by.
 """
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (looked up once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(idx)
+
+
+@functools.cache
+def _sm_count(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count

@@ -19,6 +19,7 @@ import torch
 
 from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagebatch.hookspecs import hookimpl
+from pagebatch.kernels import num_sms
 
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 32
@@ -42,14 +43,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
@@ -74,7 +67,7 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
     block_q = max(block_m // group, 1)
     q_blocks = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
     programs = q_blocks * num_kv_heads
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     splits = 1
     if programs < target:
         splits = max(1, min(-(-target // programs), max_seq_len // MIN_TOKENS_PER_SPLIT,

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagebatch.kernels import num_sms
+
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
 
@@ -102,16 +104,8 @@ def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size,
              w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: any small number
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return num_sms(device) if device.type == "cuda" else 8  # the interpreter: any small number
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagebatch.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+from pagebatch.request import PositionLogprobs, SamplingParams
 
 # Fields OpenAI or vLLM define that pagebatch does not implement: a 400, never silence.
 UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
@@ -300,10 +300,3 @@ def chat_logprobs(positions: list[PositionLogprobs], top_n: int, decode: Any
         content.append(entry)
     return {"content": content}
 
-
-def finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason
-
-
-def completion_tokens(outputs: list[RequestOutput]) -> int:
-    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
