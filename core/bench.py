@@ -23,6 +23,19 @@ from typing import Any
 from .config import EngineConfig
 
 
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights: parameters and persistent buffers (quantized weights,
+    scales), each storage once (tied embeddings); not derived caches such as the rotary
+    cos/sin table (a non-persistent buffer)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.state_dict().values()]:
+        if t is None or t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total
+
 def add_bench_parser(sub, add_engine_args, func) -> None:
     b = sub.add_parser("bench", help="offline throughput / latency benchmarks; serve: "
                        "load-test a server")
@@ -113,8 +126,7 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     runner = getattr(engine.core, "runner", None)  # in this process (no client)
     if runner is not None:
         model = runner.model
-        res["weights_gb"] = round(sum(t.numel() * t.element_size() for t in
-                                      [*model.parameters(), *model.buffers()]) / 1e9, 3)
+        res["weights_gb"] = round(weight_bytes(model) / 1e9, 3)
         res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
     if kind == "throughput":
         times = [run(prompts) for _ in range(num_iters)]

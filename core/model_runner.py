@@ -235,6 +235,17 @@ class ModelRunner:
                 self.max_model_len)
             self.graphs.capture()
 
+    def release_graphs(self) -> None:
+        """Destroy the captured CUDA graphs (and wait for the device). Before a NCCL process
+        group is destroyed: graphs that captured its collectives keep the communicator's
+        resources, and destroying the group then waited forever on an H200 pair."""
+        if self.graphs is not None:
+            self.graphs = None
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: on CUDA, unless enforce_eager, with a backend that

@@ -20,7 +20,7 @@ from pagebatch.layers.linear import LinearBase, QuantMethod
 
 from .common import (check_allowed, config_field, copy_rows, load_bias, load_dummy_per_channel,
                      make_bias)
-from .packing import FP8_E4M3_MAX, quantize_fp8_per_channel
+from .packing import quantize_fp8_per_channel
 
 
 def _scaled_mm_ok(device: torch.device) -> bool:
@@ -28,14 +28,18 @@ def _scaled_mm_ok(device: torch.device) -> bool:
 
 
 def fp8_matmul(x: Tensor, w_t: Tensor, w_scale: Tensor) -> Tensor:
-    """x [T, K] bf16/fp16 (CUDA), w_t [K, N] float8_e4m3fn column-major (a transposed [N, K]
-    row-major tensor), w_scale [1, N] fp32 -> [T, N] in x's dtype. Per-token dynamic fp8
-    activations; ``torch._scaled_mm`` needs K and N multiples of 16."""
-    xf = x.float()
-    x_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
-    xq = (xf / x_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(xq, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
-    return out.to(x.dtype)
+    """x [T, K] bf16/fp16 (CUDA, unit stride along K), w_t [K, N] float8_e4m3fn column-major (a
+    transposed [N, K] row-major tensor), w_scale [1, N] fp32 -> [T, N] in x's dtype. Per-token
+    dynamic fp8 activations from one Triton launch (quant/kernels/per_token_quant.py: absmax
+    / 448 per row, clamp, round-to-nearest-even cast, the same bits as the torch formula), then
+    ``torch._scaled_mm`` (K and N multiples of 16) writing bf16 directly; fp16 goes through a
+    bf16 output and a cast, as row-wise scaling in older torch releases supports only bf16."""
+    from .kernels.per_token_quant import per_token_quant
+
+    xq, x_scale = per_token_quant(x, torch.float8_e4m3fn)
+    out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.bfloat16
+    out = torch._scaled_mm(xq, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class FP8Method(QuantMethod):
@@ -99,7 +103,11 @@ class FP8Method(QuantMethod):
 
     def apply(self, layer: LinearBase, x):
         if layer.use_scaled_mm and x.dtype in (torch.bfloat16, torch.float16):
-            out = fp8_matmul(x, layer.weight.t(), layer.weight_scale[None, :])
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            out = fp8_matmul(x2, layer.weight.t(), layer.weight_scale[None, :])
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
         else:
             w = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
             out = x @ w.t()

@@ -1,5 +1,5 @@
 """``int8``: W8A8 — int8 weights with one scale per output channel, activations quantized per
-token on the fly, an int8 GEMM (``torch._int_mm``) with both scales applied to its int32 result.
+token on the fly, an int8 GEMM with both scales applied to its int32 result.
 
 Checkpoint tensors per linear layer (compressed-tensors' / vLLM's channel-wise W8A8 names):
 ``weight`` int8 ``[out, in]`` and ``weight_scale`` float ``[out]`` or ``[out, 1]``, with
@@ -8,9 +8,11 @@ Checkpoint tensors per linear layer (compressed-tensors' / vLLM's channel-wise W
 config.json ``quantization_config``: ``{"quant_method": "int8"}``, optionally ``bits: 8`` and
 ``activation_scheme: dynamic`` (static activation scales are not supported).
 
-``torch._int_mm`` on CUDA needs more than 16 rows and K, N multiples of 8: decode batches of at
-most 16 tokens are padded to 32 rows; layers with K or N not a multiple of 8 (and the CPU) run the
-same arithmetic in floating point.
+On CUDA ``apply`` is two Triton launches (quant/kernels/): `per_token_quant` (one pass per row,
+the same int8 values and scales as `quantize_per_token`) and `int8_scaled_mm` (int32 tensor-core
+accumulation over the int8 ``weight`` kept ``[N, K]`` as loaded; scales and bias applied in its
+epilogue, the output written once in x's dtype). Any M, N, K. Elsewhere (the CPU) the same
+arithmetic runs in floating point.
 """
 
 from __future__ import annotations
@@ -25,29 +27,35 @@ from .common import (check_allowed, config_field, copy_rows, load_bias, load_dum
                      make_bias)
 from .packing import quantize_int8_per_channel
 
-INT_MM_MIN_ROWS = 17  # torch._int_mm (cuBLASLt) needs more than 16 rows
-INT_MM_PAD_ROWS = 32
+_kernels = None
+
+
+def _kernel_modules():
+    """(per_token_quant module, int8_gemm module), imported on first CUDA use (Triton)."""
+    global _kernels
+    if _kernels is None:
+        from .kernels import int8_gemm, per_token_quant
+
+        _kernels = (per_token_quant, int8_gemm)
+    return _kernels
 
 
 def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [T, K] float -> (int8 [T, K], scale fp32 [T, 1]), symmetric absmax / 127 per row."""
+    """x [T, K] float -> (int8 [T, K], scale fp32 [T, 1]), symmetric absmax / 127 per row
+    (the torch reference of quant/kernels/per_token_quant.py, which computes the same bits)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
     return torch.round(xf / scale).clamp(-127, 127).to(torch.int8), scale
 
 
-def int8_matmul(xq: Tensor, x_scale: Tensor, w_t: Tensor, w_scale: Tensor,
+def int8_matmul(xq: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
                 out_dtype: torch.dtype) -> Tensor:
-    """xq [T, K] int8, x_scale [T, 1] fp32, w_t [K, N] int8 (contiguous), w_scale [N] fp32
-    -> [T, N] ``out_dtype``: ``(xq @ w_t) * x_scale * w_scale``."""
-    t, k = xq.shape
-    n = w_t.shape[1]
-    if xq.is_cuda and k % 8 == 0 and n % 8 == 0:
-        if t < INT_MM_MIN_ROWS:
-            xq = torch.nn.functional.pad(xq, (0, 0, 0, INT_MM_PAD_ROWS - t))
-        acc = torch._int_mm(xq.contiguous(), w_t)[:t].float()
-    else:  # exact for |sum| < 2**24; beyond, fp32 rounding of an int32 sum
-        acc = xq.float() @ w_t.float()
+    """xq [T, K] int8, x_scale [T, 1] fp32, w [N, K] int8, w_scale [N] fp32 -> [T, N]
+    ``out_dtype``: ``(xq @ w.T) * x_scale * w_scale``. CUDA: the Triton int8 GEMM; elsewhere in
+    fp32, exact for |sum| < 2**24 (beyond, fp32 rounding of the int32 sum)."""
+    if xq.is_cuda:
+        return _kernel_modules()[1].int8_scaled_mm(xq, x_scale, w, w_scale, out_dtype)
+    acc = xq.float() @ w.float().t()
     return (acc * x_scale * w_scale).to(out_dtype)
 
 
@@ -66,7 +74,6 @@ class Int8Method(QuantMethod):
         layer.register_buffer("weight", torch.zeros(n, k, dtype=torch.int8, device=device))
         layer.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32,
                                                           device=device))
-        layer.register_buffer("weight_t", None)  # [K, N] contiguous, after loading
         make_bias(layer, dtype, device)
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
@@ -96,16 +103,24 @@ class Int8Method(QuantMethod):
         load_dummy_per_channel(layer, generator, quantize_int8_per_channel)
 
     def process_weights_after_loading(self, layer: LinearBase):
-        layer.weight_t = layer.weight.t().contiguous()  # cuBLASLt wants mat2 contiguous
-        layer.weight = None
+        layer.weight = layer.weight.contiguous()  # [N, K], K contiguous: the GEMM's B layout
 
     def dequantized_weight(self, layer: LinearBase) -> Tensor:
         """W ``[N, K]`` fp32."""
-        return (layer.weight_t.float() * layer.weight_scale).t()
+        return layer.weight.float() * layer.weight_scale[:, None]
 
     def apply(self, layer: LinearBase, x):
+        if x.is_cuda:  # two launches; the bias is added in fp32 in the GEMM's epilogue
+            quant, gemm = _kernel_modules()
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            xq, xs = quant.per_token_quant(x2, torch.int8)
+            out = gemm.int8_scaled_mm(xq, xs, layer.weight, layer.weight_scale, x.dtype,
+                                      layer.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         xq, xs = quantize_per_token(x)
-        out = int8_matmul(xq, xs, layer.weight_t, layer.weight_scale, x.dtype)
+        out = int8_matmul(xq, xs, layer.weight, layer.weight_scale, x.dtype)
         if layer.bias is not None:
             out = out + layer.bias
         return out

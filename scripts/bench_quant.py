@@ -9,8 +9,9 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            decoder layer and its ratio to bf16 (the batch-1 decode target is >= 1.8x)
   paths    W4A16 at each M: the Triton split-K/GEMM kernel vs dequantize + cuBLAS, to place
            quant/kernels/wna16.py's DENSE_MIN_M
-  --sweep  tile configurations of the W4A16 kernel at decode sizes (to tune
-           quant/kernels/wna16.py pick_config)
+  --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
+           the fastest per shape and M written to DIR as the tuned table that pick_config reads
+           (quant/kernels/tuned.py; commit it under quant/kernels/configs/)
 
 Every case first checks its result against the dequantized reference. Times are medians of CUDA
 graph replays (triton.testing.do_bench_cudagraph), as decode steps run under CUDA graphs.
@@ -92,7 +93,7 @@ def reference(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         from pagebatch.quant.int8 import quantize_per_token
 
         xq, xs = quantize_per_token(x)
-        return (xq.float() @ layer.weight_t.float()) * xs * layer.weight_scale
+        return (xq.float() @ layer.weight.float().t()) * xs * layer.weight_scale
     return x.float() @ qm.dequantized_weight(layer).float().t()
 
 
@@ -139,7 +140,7 @@ def bench_paths() -> None:
         for m in (1, 16, 64, 256, 512, 1024, 2048, 4096):
             x = torch.randn(m, k, device=DEV, dtype=DT)
             cfg = kern.pick_config(m, n, k, layer.wgroup_size, False, DEV)
-            t_kernel = time_ms(lambda: kern.wna16_gemm(x, *args, **cfg))
+            t_kernel = time_ms(lambda: kern.run_config(x, *args, None, cfg))
             t_dense = time_ms(lambda: x @ kern.wna16_dequantize(*args, dtype=DT))
             w = torch.randn(n, k, device=DEV, dtype=DT)
             t_bf16 = time_ms(lambda: F.linear(x, w))
@@ -149,56 +150,109 @@ def bench_paths() -> None:
                   f"{t_dense * 1e3:8.1f}  bf16 {t_bf16 * 1e3:8.1f}   {cfg}", flush=True)
 
 
-def bench_sweep() -> None:
-    print("== W4A16 tile sweep (best 3 per case, us) ==", flush=True)
-    for (shape, (k, n)), m in itertools.product(SHAPES.items(), DECODE_M):
+def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
+    """The W4A16 configs the sweep tries at ``m`` rows: the CUDA-core GEMV (up to 4 rows) and
+    the tensor-core split-K GEMM."""
+    pf = 32 // bits
+    out = []
+    if m <= 2:
+        for bn, kp, sk, warps in itertools.product((32, 64, 128), (8, 16, 32), (1, 2, 4, 8),
+                                                   (2, 4)):
+            if group_size % (kp * pf) == 0:
+                out.append(dict(kernel="gemv", block_n=bn, block_kp=kp, split_k=sk,
+                                num_warps=warps, num_stages=3))
+    for bn, bk, sk, stages in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8, 16),
+                                                (4,)):
+        if group_size % bk == 0:
+            out.append(dict(kernel="gemm", block_m=16, block_n=bn, block_k=bk, split_k=sk,
+                            num_warps=4, num_stages=stages))
+    return out
+
+
+def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+    """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
+    g128, 4 bits): each checked against the reference (also after its timed replays, which
+    catches split-K counters left non-zero), the fastest kept per shape and M; written as the
+    tuned table of quant/kernels/tuned.py when ``tune_dir`` is given."""
+    from pagebatch.quant.kernels import tuned
+
+    print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
+    table: dict[str, dict[str, dict]] = {}
+    path = tuned.config_path("wna16", tuned.device_name(DEV), tune_dir) if tune_dir else None
+    if path is not None and path.is_file():  # keep the entries of row counts not tuned now
+        table = json.loads(path.read_text())
+    bits = 4
+    for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
         layer = make_layer("awq", k, n)
+        gs = layer.wgroup_size
+        args = (layer.qweight, layer.scales, layer.zeros, bits, gs, None)
+        key = kern.shape_key(bits, n, k, gs)
         x = torch.randn(m, k, device=DEV, dtype=DT)
         ref = reference(layer, x)
+
+        def ok(cfg) -> bool:
+            out = kern.run_config(x, *args, cfg).float()
+            return ((out - ref).norm() / ref.norm()).item() < 2e-2
+
         results = []
-        for bn, bk, sk, warps, stages in itertools.product(
-                (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (4,), (2, 4)):
-            if bk > layer.wgroup_size:
-                continue
-            cfg = dict(block_m=16, block_n=bn, block_k=bk, split_k=sk,
-                       num_warps=warps, num_stages=stages)
+        for cfg in _candidates(m, bits, gs):
             try:
-                out = kern.wna16_gemm(x, layer.qweight, layer.scales, layer.zeros, 4,
-                                      layer.wgroup_size, **cfg)
-                if ((out.float() - ref).norm() / ref.norm()).item() > 2e-2:
+                if not ok(cfg):
+                    print(f"      WRONG {cfg}")
                     continue
-                ms = time_ms(lambda: kern.wna16_gemm(x, layer.qweight, layer.scales,
-                                                     layer.zeros, 4, layer.wgroup_size, **cfg),
-                             rep=50)
-            except Exception:  # noqa: BLE001 - e.g. out of shared memory
+                ms = time_ms(lambda: kern.run_config(x, *args, cfg), rep=20)
+                if not ok(cfg):
+                    print(f"      WRONG after replays {cfg}")
+                    continue
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                print(f"      failed {type(e).__name__} {cfg}")
                 continue
             results.append((ms, cfg))
         results.sort(key=lambda r: r[0])
-        default = kern.pick_config(m, n, k, layer.wgroup_size, False, DEV)
-        t_default = time_ms(lambda: kern.wna16_gemm(x, layer.qweight, layer.scales,
-                                                    layer.zeros, 4, layer.wgroup_size,
-                                                    **default))
-        print(f"  {shape:8s} M={m:3d} default {t_default * 1e3:7.1f} {default}")
-        for ms, cfg in results[:3]:
+        if not results:
+            print(f"  {shape:8s} M={m:3d} no config ran")
+            continue
+        default = kern.pick_config(m, n, k, gs, False, DEV, bits)
+        t_default = time_ms(lambda: kern.run_config(x, *args, default))
+        best_ms, best = results[0]
+        t_best = time_ms(lambda: kern.run_config(x, *args, best))  # at the default rep
+        wb = layer.qweight.numel() * 4 + 2 * layer.scales.numel() * 2
+        print(f"  {shape:8s} M={m:3d} default {t_default * 1e3:7.1f}  best {t_best * 1e3:7.1f}"
+              f" ({wb / t_best / 1e6:.0f} GB/s)  {best}", flush=True)
+        for ms, cfg in results[1:3]:
             print(f"      {ms * 1e3:7.1f} {cfg}")
-        ROWS.append(dict(group="sweep", shape=shape, m=m, default_us=t_default * 1e3,
-                         default=default, best=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
+        table.setdefault(key, {})[str(m)] = best
+        ROWS.append(dict(group="tune", shape=shape, m=m, default_us=t_default * 1e3,
+                         default=default, best_us=t_best * 1e3,
+                         top=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
+        layer = None
+        torch.cuda.empty_cache()
+        if path is not None:  # after each case: a run cut short still leaves what it measured
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print(f"tuned table written to {path}", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["layers", "paths", "sweep"], action="append",
+    ap.add_argument("--only", choices=["layers", "paths", "tune"], action="append",
                     help="run only these parts (default: layers and paths)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep W4A16 tile configs")
+    ap.add_argument("--tune", metavar="DIR", help="also tune the W4A16 kernels at decode sizes "
+                    "and write the table (quant/kernels/tuned.py) into DIR")
+    ap.add_argument("--tune-m", default="1,2,4,8,16",
+                    help="row counts to tune at (comma-separated; default %(default)s)")
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quant.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    parts = args.only or ["layers", "paths"] + (["sweep"] if args.sweep else [])
+    parts = args.only or ["layers", "paths"] + (["tune"] if args.tune else [])
     for part in parts:
-        {"layers": bench_layers, "paths": bench_paths, "sweep": bench_sweep}[part]()
+        if part == "tune":
+            bench_tune(args.tune, tuple(int(v) for v in args.tune_m.split(",")))
+        else:
+            {"layers": bench_layers, "paths": bench_paths}[part]()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)

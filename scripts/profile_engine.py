@@ -20,6 +20,34 @@ import time
 import torch
 
 
+def print_gaps(trace: str, top: int = 8) -> None:
+    """From a Chrome trace: the GPU's idle time between kernels (all streams merged), the
+    total and the largest gaps with the last kernel before each."""
+    import gzip
+
+    opener = gzip.open if trace.endswith(".gz") else open
+    with opener(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not kernels:
+        print("trace: no GPU events")
+        return
+    gaps, end, last = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, last[:70]))
+        if stop > end:
+            end, last = stop, name
+    span = end - kernels[0][0]
+    idle = sum(g for g, _ in gaps)
+    print(f"trace: {len(kernels)} GPU events over {span / 1e3:.2f} ms, idle between them "
+          f"{idle / 1e3:.2f} ms ({idle / span:.1%}) in {len(gaps)} gaps; "
+          f"gaps > 20 us: {sum(g for g, _ in gaps if g > 20) / 1e3:.2f} ms")
+    for g, name in sorted(gaps, reverse=True)[:top]:
+        print(f"  gap {g:8.1f} us after {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -81,7 +109,8 @@ def main() -> None:
         torch.cuda.synchronize()
     wall_profiled = time.perf_counter() - t0
     if a.trace:  # host launches and GPU kernels on one timeline: where the GPU waits
-        prof.export_chrome_trace(a.trace)
+        prof.export_chrome_trace(a.trace)  # (a name ending in .gz is written gzipped)
+        print_gaps(a.trace)
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:12]
     print(f"{a.steps} steps: wall {wall * 1e3 / a.steps:.3f} ms/step (profiled: "

@@ -80,6 +80,43 @@ def test_gemm_equals_dequantized(kind, bits, k, n, group_size, m, block_k, split
     assert rel_err(out, x.float() @ wt) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,bits,k,n,group_size",
+                         [("awq", 4, 256, 64, 64), ("awq", 4, 128, 40, -1), ("gptq", 8, 256, 48, 64),
+                          ("gptq", 4, 512, 32, 128)])
+@pytest.mark.parametrize("m,block_n,block_kp,split_k", [(1, 32, 8, 1), (1, 16, 4, 3),
+                                                        (3, 32, 8, 4), (2, 64, 4, 16)])
+def test_gemv_equals_dequantized(kind, bits, k, n, group_size, m, block_n, block_kp, split_k,
+                                 dtype):
+    """The CUDA-core GEMV: every field position of the in-place float conversion, masked N
+    edges, split-K with the last-arriving program adding the partials (more splits than K
+    tiles too), and the counters left at zero for the next launch."""
+    from pagebatch.quant.kernels import wna16_gemv as gemv
+
+    layer = _quant_layer(kind, k, n, bits, group_size, dtype)
+    gs = layer.wgroup_size
+    block_kp = min(block_kp, gs // (32 // bits))
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    wt = dequantize_canonical(layer.qweight, layer.scales, layer.zeros, bits, gs).float()
+    for _ in range(2):  # a second launch reuses the counters
+        out = gemv.wna16_gemv(x, layer.qweight, layer.scales, layer.zeros, bits, gs,
+                              block_n=block_n, block_kp=block_kp, split_k=split_k)
+        assert out.dtype == dtype and out.shape == (m, n)
+        # the fp32 sums carry the float bases 2**11 / 2**7 (wna16_gemv.py): ~2**-13 relative
+        assert rel_err(out, x.float() @ wt) < max(REL_TOL[dtype], 2e-4)
+    if split_k > 1:
+        assert not gemv._counter_buffer(x.device).any()
+
+
+def test_gemv_rejects_tiles_across_groups():
+    from pagebatch.quant.kernels.wna16_gemv import wna16_gemv
+
+    layer = _quant_layer("awq", 128, 32, 4, 32, torch.float16)
+    x = torch.randn(1, 128, device=DEVICE).half()
+    with pytest.raises(ValueError, match="group size 32"):
+        wna16_gemv(x, layer.qweight, layer.scales, layer.zeros, 4, 32, block_n=32, block_kp=8)
+
+
 @pytest.mark.parametrize("kind,bits,k,n,group_size", LAYERS[:4])
 def test_dequantize_kernel_is_exact(kind, bits, k, n, group_size):
     from pagebatch.quant.kernels.wna16 import wna16_dequantize
@@ -98,7 +135,10 @@ def test_matmul_paths_and_config():
     from pagebatch.quant.kernels.wna16 import pick_config, wna16_matmul
 
     cfg = pick_config(1, 256, 4096, 128, False, DEVICE)
-    assert cfg["split_k"] > 1 and cfg["block_m"] == 16
+    assert cfg["kernel"] == "gemv" and cfg["split_k"] > 1
+    cfg = pick_config(2, 256, 4096, 128, False, DEVICE)
+    assert cfg["kernel"] == "gemm" and cfg["split_k"] > 1 and cfg["block_m"] == 16
+    assert pick_config(1, 256, 4096, 128, True, DEVICE)["kernel"] == "gemm"  # g_idx
     assert pick_config(512, 4096, 4096, 32, False, DEVICE)["block_k"] == 32
     layer = _quant_layer("awq", 128, 64, 4, 32, torch.float16)
     x = torch.randn(20, 128, device=DEVICE).half()
@@ -120,3 +160,25 @@ def test_layer_apply_on_gpu(kind, bits, k, n, group_size, m, dtype):
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     ref = x.float() @ layer.quant_method.dequantized_weight(layer).float().t()
     assert rel_err(layer(x), ref) < REL_TOL[dtype]
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    """A sweep's table (quant/kernels/tuned.py) from $PAGEBATCH_KERNEL_CONFIG_DIR: the entry of
+    the smallest measured M at or above the rows asked for; none past the largest."""
+    import json
+
+    from pagebatch.quant.kernels import tuned
+
+    table = {"bits=4,n=64,k=128,group=32": {"1": {"kernel": "gemv", "block_n": 32},
+                                            "8": {"kernel": "gemm", "block_m": 16}}}
+    (tmp_path / "wna16_Fake_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
+    tuned.load_table.cache_clear()
+    try:
+        by_m = tuned.load_table("wna16", "Fake_GPU")["bits=4,n=64,k=128,group=32"]
+        assert tuned.select(by_m, 1)["kernel"] == "gemv"
+        assert tuned.select(by_m, 2)["kernel"] == "gemm"
+        assert tuned.select(by_m, 9) is None
+        assert tuned.load_table("wna16", "Other_GPU") == {}
+    finally:
+        tuned.load_table.cache_clear()

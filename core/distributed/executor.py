@@ -246,6 +246,8 @@ class MultiprocExecutor(Executor):
                 parallel.wait_sends()
             except Exception:
                 pass
+            if hasattr(self, "driver_runner") and parallel.device.type == "cuda":
+                self.driver_runner.release_graphs()  # before the NCCL group goes
             destroy_distributed()  # (after a worker's death NCCL could hang here: skipped)
         if hasattr(self, "driver_runner"):
             self.driver_runner.kv_caches = []

@@ -14,6 +14,7 @@ context (`ParallelContext.single()`) has no groups and every op is the identity.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ import torch
 
 from ..errors import ConfigError
 from .comm import all_gather, all_reduce, recv_tensor, send_tensor
+
+logger = logging.getLogger(__name__)
 
 # the torchrun environment (torch.distributed's env:// rendezvous)
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -208,8 +211,25 @@ def init_distributed(backend: str, init_method: str, rank: int, tp_size: int, pp
     return ParallelContext(rank, tp_size, pp_size, tp_group, world_group, device)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(timeout_s: float = 15.0) -> bool:
+    """Destroy the default process group, giving up after ``timeout_s`` (a NCCL group can
+    wait forever on a peer or on resources still held; the process's exit frees them).
+    Returns whether it was destroyed."""
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="pagebatch-destroy-pg", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("destroying the process group did not finish within %.0f s; left to "
+                       "the process exit", timeout_s)
+        return False
+    return True

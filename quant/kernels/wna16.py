@@ -6,8 +6,9 @@ checkpoints are repacked into once at load:
     scales, zeros [G, N]               w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
     g = k // group_size, or g_idx[k] (int32 [K]) when given
 
-The weights are dequantized in registers, tile by tile, and never written out. Three paths:
+The weights are dequantized in registers, tile by tile, and never written out. Paths:
 
+- batch 1 (and the decode sizes a tuned table gives it): the CUDA-core GEMV of wna16_gemv.py;
 - decode sizes (M <= 16): split-K — the K tiles are spread over ``SPLIT_K`` programs per output
   tile, each adds its fp32 partial sum with an atomic add, so that a GEMV-shaped problem still
   fills the GPU (the weight read is the whole cost);
@@ -27,6 +28,9 @@ import triton
 import triton.language as tl
 
 from pagebatch.kernels import num_sms
+
+from . import tuned
+from .wna16_gemv import gemv_supported, wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
@@ -108,10 +112,31 @@ def _num_sms(device: torch.device) -> int:
     return num_sms(device) if device.type == "cuda" else 8  # the interpreter: any small number
 
 
+def shape_key(bits: int, n: int, k: int, group_size: int) -> str:
+    """The key of a layer shape in the tuned-config tables (quant/kernels/tuned.py)."""
+    return f"bits={bits},n={n},k={k},group={group_size}"
+
+
 def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
-                device: torch.device) -> dict[str, int]:
-    """Block sizes, split-K, warps and stages for an [m, k] x [k, n] product (heuristics, to
-    be checked with scripts/bench_quant.py on the target GPU)."""
+                device: torch.device, bits: int = 4) -> dict:
+    """Path and launch parameters for an [m, k] x [k, n] product: ``kernel`` is ``gemv``
+    (wna16_gemv.py, CUDA cores) or ``gemm`` (this file's tensor-core kernel), with their block
+    sizes, split-K, warps and stages. A config measured on this GPU (scripts/bench_quant.py
+    --tune, quant/kernels/tuned.py) wins; otherwise heuristics."""
+    if not has_g_idx and m <= DECODE_MAX_M:
+        cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m)
+        if cfg is not None:
+            return cfg
+    if m == 1 and not has_g_idx:
+        for kp in (16, 8, 4):
+            if gemv_supported(bits, group_size, kp, False):
+                block_n = 64 if n >= 64 * _num_sms(device) else 32
+                tiles = triton.cdiv(n, block_n)
+                k_tiles = triton.cdiv(k, kp * (32 // bits))
+                split = min(triton.next_power_of_2(max(1, 4 * _num_sms(device) // tiles)),
+                            k_tiles, 16)
+                return dict(kernel="gemv", block_n=block_n, block_kp=kp, split_k=split,
+                            num_warps=4, num_stages=3)
     if m <= DECODE_MAX_M:
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
     elif m <= 64:
@@ -129,7 +154,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
         want = max(1, 2 * _num_sms(device) // tiles)
         split = min(triton.next_power_of_2(want), k_tiles, 16)
     cfg["split_k"] = split
+    cfg["kernel"] = "gemm"
     return cfg
+
+
+def run_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None,
+               cfg: dict) -> torch.Tensor:
+    """Run the product with a config of `pick_config` (or a sweep's)."""
+    params = {key: v for key, v in cfg.items() if key != "kernel"}
+    if cfg.get("kernel") == "gemv":
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, **params)
+    return wna16_gemm(x, qweight, scales, zeros, bits, group_size, g_idx, **params)
 
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -186,5 +222,6 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m = x.shape[0]
     if m >= dense_min_m:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
-    cfg = pick_config(m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device)
-    return wna16_gemm(x, qweight, scales, zeros, bits, group_size, g_idx, **cfg)
+    cfg = pick_config(m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
+                      bits)
+    return run_config(x, qweight, scales, zeros, bits, group_size, g_idx, cfg)

@@ -1,0 +1,162 @@
+"""Decode-size W4A16 / W8A16 product on CUDA cores (no tensor cores): ``x @ W^T`` for a few rows
+of x, over the canonical layout of quant/wna16.py (qweight int32 ``[K * bits / 32, N]`` packed
+along K; scales, zeros ``[G, N]``), for layers whose group size is a multiple of the K tile.
+
+At batch 1 the product is a matrix-vector one: the weight read is the whole cost, and the
+arithmetic that turns each packed field into a float must keep up with it (on an H200 the
+integer pipe is half as wide as the fp32 one). Per 4-bit weight field the kernel does one AND/OR
+(a LOP3), one FMA and half a shift:
+
+- one shift of a word puts two fields at bits 12 and 16 (one 8-bit field at bit 12); a field at
+  bit ``b`` is masked in place and ORed into the exponent ``150 - b`` of an fp32, which is then
+  exactly ``2**(23 - b) + v`` (the "magic number" int-to-float conversion of FasterTransformer /
+  AWQ, here in fp32);
+- the FMA multiplies x by that float as it is: the bases add up to ``sum x * 2**(23 - b)``, a
+  number per K tile that is subtracted once, with the zero point, per column:
+  ``s * (sum x f - sum x 2**(23-b) - z * sum x)``. The bases (2**11 and 2**7) are small enough that
+  the fp32 sums lose about 2**-13 of their relative precision, far below bf16's rounding
+  (measured in tests/test_quant_kernels.py);
+- the products of one K tile are summed first; its group's scale is applied once per tile.
+
+Split-K without extra kernels: the K tiles are shared by ``SPLIT_K`` programs per output tile;
+each writes its fp32 partial sum to a workspace, and the program that arrives last (an atomic
+counter per output tile) adds the partials in a fixed order, writes the output in its dtype and
+resets the counter to 0 for the next launch. No zero-filled buffer and no cast kernel: one launch
+per product, which matters at batch 1 where a decoder layer is a handful of small products.
+Launches on one stream only (the counters are shared by the launches on a device).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (int32, zero; each launch leaves them at zero). Allocated at
+    the first launch on the device, which must not be inside CUDA-graph capture (the engine's
+    warm-up runs every graphed size eagerly first)."""
+    buf = _counters.get(device)
+    if buf is None:
+        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+@triton.jit
+def _field(w, BITS: tl.constexpr, OFF: tl.constexpr):
+    """The field at bits ``OFF ..`` of each int32 in ``w`` as fp32 ``2**(23 - OFF) + v``
+    (exact: the field is the low mantissa bits under exponent ``150 - OFF``)."""
+    mask: tl.constexpr = ((1 << BITS) - 1) << OFF
+    expo: tl.constexpr = (150 - OFF) << 23
+    return ((w & mask) | expo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+                       M, N, K, group_size, stride_xm, stride_qk, stride_sg, stride_om,
+                       BITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    PF: tl.constexpr = 32 // BITS
+    # each shifted copy of a word puts PER fields at bits 12 (and 16): offsets whose float
+    # base 2**(23 - off) stays small next to the products (2**11, 2**7)
+    PER: tl.constexpr = 2 if BITS == 4 else 1
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_r = tl.arange(0, BLOCK_KP)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt_start = pid_k * per_split
+    kt_end = tl.minimum(kt_start + per_split, k_tiles)
+    x_row = x_ptr + m * stride_xm
+    acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        rows = kt * BLOCK_KP + offs_r
+        r_ok = rows * PF < K
+        q = tl.load(q_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                    mask=r_ok[:, None] & n_ok[None, :], other=0)
+        x_base = x_row + rows * PF
+        part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_KP,), dtype=tl.float32)
+        x_off = tl.zeros((BLOCK_KP,), dtype=tl.float32)  # sum of x * 2**(23 - off)
+        for p in tl.static_range(PF // PER):
+            # field p*PER moves from bit BITS*p*PER to bit 12: a shift by 12 - 8p
+            if p <= 1:
+                w = q << (12 - 8 * p)
+            else:
+                w = q >> (8 * p - 12)
+            for i in tl.static_range(PER):
+                xj = tl.load(x_base + (p * PER + i), mask=r_ok, other=0.0).to(tl.float32)
+                part += xj[:, None] * _field(w, BITS, 12 + BITS * i)
+                x_sum += xj
+                x_off += xj * (1 << (11 - BITS * i))
+        g = (kt * BLOCK_K) // group_size
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += part * s[None, :]
+        acc_z += s * (z * tl.sum(x_sum, axis=0) + tl.sum(x_off, axis=0))
+    res = tl.sum(acc, axis=0) - acc_z
+    out_ptrs = out_ptr + m * stride_om + offs_n
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(ws_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of this tile's programs: add the partials
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for p in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + (p * M + m) * N + offs_n, mask=n_ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt, 0)
+
+
+def gemv_supported(bits: int, group_size: int, block_kp: int, has_g_idx: bool) -> bool:
+    """Whether the GEMV kernel takes a layer: no g_idx and each K tile inside one group."""
+    return (not has_g_idx and bits in (4, 8)
+            and group_size % (block_kp * (32 // bits)) == 0)
+
+
+def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, bits: int, group_size: int, *, block_n: int,
+               block_kp: int, split_k: int = 1, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
+    """``x @ W^T``: x ``[M, K]`` fp16/bf16/fp32 (rows contiguous), qweight int32
+    ``[K*bits/32, N]``, scales/zeros ``[G, N]`` -> ``[M, N]`` in x's dtype. ``block_kp`` packed
+    rows per K tile (``block_kp * 32/bits`` inputs, which must divide ``group_size``).
+
+    Raises ValueError when the shapes disagree, the tile straddles groups, or the split-K
+    counters would not fit (M * N / block_n > 65536)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    pf = 32 // bits
+    if qweight.shape[0] * pf != k:
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not match K={k} at {bits} bits")
+    if not gemv_supported(bits, group_size, block_kp, False):
+        raise ValueError(f"GEMV tile of {block_kp * pf} inputs does not divide group size "
+                         f"{group_size} (bits={bits})")
+    n_tiles = triton.cdiv(n, block_n)
+    if m * n_tiles > MAX_COUNTERS:
+        raise ValueError(f"GEMV: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} counters")
+    x = x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split_k > 1:
+        ws = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+        cnt = _counter_buffer(x.device)
+    else:
+        ws = cnt = out
+    _wna16_gemv_kernel[(n_tiles, split_k, m)](
+        x, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, x.stride(0),
+        qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits, SPLIT_K=split_k,
+        BLOCK_N=block_n, BLOCK_KP=block_kp, num_warps=num_warps, num_stages=num_stages)
+    return out
