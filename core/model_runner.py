@@ -106,6 +106,7 @@ class ModelRunner:
         self._step_buf = torch.zeros(self.input_batch.capacity, dtype=torch.int32,
                                      device=self.device)
         self.graphs: CUDAGraphs | None = None
+        self._pp_in: torch.Tensor | None = None  # a pipeline stage's graph input [seqs, 2H]
         # the last launched step's sampled ids [n] int64 on the device, and request id -> row
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -229,10 +230,19 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         if self.use_cuda_graphs:
-            self.graphs = CUDAGraphs(
-                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                self._step_buf, self.config.max_num_seqs, self.input_batch.max_blocks,
-                self.max_model_len)
+            if self._stage_io:  # a pipeline stage: the graph holds its layers, not the comms
+                self._pp_in = None if self.parallel.is_first_stage else torch.zeros(
+                    self.config.max_num_seqs, 2 * self.model.hidden_size,
+                    dtype=self.dtype, device=self.device)
+
+                def forward(ids, pos, meta):
+                    hidden_in = None if self._pp_in is None else self._pp_in[:ids.shape[0]]
+                    return self.model.forward_stage(ids, pos, self.kv_caches, meta, hidden_in)
+            else:
+                def forward(ids, pos, meta):
+                    return self.model(ids, pos, self.kv_caches, meta)
+            self.graphs = CUDAGraphs(forward, self._step_buf, self.config.max_num_seqs,
+                                     self.input_batch.max_blocks, self.max_model_len)
             self.graphs.capture()
 
     def release_graphs(self) -> None:
@@ -251,7 +261,30 @@ class ModelRunner:
         """Decode steps replay CUDA graphs: on CUDA, unless enforce_eager, with a backend that
         supports capture."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.attn_backend.supports_cuda_graphs and self.parallel.pp_size == 1)
+                and self.attn_backend.supports_cuda_graphs
+                and (self.parallel.pp_size == 1 or self._stage_io))
+
+    @property
+    def _stage_io(self) -> bool:
+        """A pipeline stage whose model has ``forward_stage``: the runner moves the hidden
+        states between stages itself (around the CUDA graphs of decode steps)."""
+        return self.parallel.pp_size > 1 and hasattr(self.model, "forward_stage")
+
+    def _replay(self, bs: int) -> torch.Tensor | None:
+        """Replay decode graph ``bs``; on a pipeline stage, receive its input into the graph's
+        static buffer first and send its output on after (None then, before the last stage).
+        The previous step's send read the static output: the stream waits for it first."""
+        par = self.parallel
+        if not self._stage_io:
+            return self.graphs.replay(bs)
+        if self._pp_in is not None:
+            par.recv_payload(bs, self._pp_in.shape[1], self._pp_in.dtype, out=self._pp_in[:bs])
+        par.wait_sends()
+        out = self.graphs.replay(bs)
+        if par.is_last_stage:
+            return out
+        par.send_payload(out)
+        return None
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -308,7 +341,9 @@ class ModelRunner:
                 0, v["fill_src"][:k].long()).to(torch.int32))
         graph = inp.layout.num_seqs if inp.padded else None
         if graph is not None:
-            hidden = self.graphs.replay(graph)
+            hidden = self._replay(graph)
+            if hidden is None:  # a pipeline stage before the last sent its output on
+                return LaunchedStep([])
         else:
             meta = AttentionMetadata(
                 slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],

@@ -100,17 +100,34 @@ class ParallelContext:
     def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Send a stage's output (hidden and residual, [T, H] each) to the next stage, without
         waiting for it to be received (the previous send is waited for first)."""
-        self.wait_sends()
-        payload = torch.cat([hidden, residual], dim=-1).contiguous()
-        work = send_tensor(payload, self.next_rank, self.world_group)
-        self._pending_sends.append((work, payload))
+        self.send_payload(torch.cat([hidden, residual], dim=-1))
 
     def recv_hidden(self, num_tokens: int, hidden_size: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive the previous stage's (hidden, residual), [num_tokens, hidden_size] each."""
-        buf = torch.empty(num_tokens, 2 * hidden_size, dtype=dtype, device=self.device)
-        recv_tensor(buf, self.prev_rank, self.world_group)
+        buf = self.recv_payload(num_tokens, 2 * hidden_size, dtype)
         return buf[:, :hidden_size], buf[:, hidden_size:]
+
+    def send_payload(self, payload: torch.Tensor) -> None:
+        """Send a stage's output ``payload`` ([T, width], made contiguous) to the next stage,
+        without waiting for it to be received; the previous send is waited for first (on
+        CUDA: the stream waits, not the host). The tensor is kept alive until then."""
+        self.wait_sends()
+        payload = payload.contiguous()
+        work = send_tensor(payload, self.next_rank, self.world_group)
+        self._pending_sends.append((work, payload))
+
+    def recv_payload(self, num_tokens: int, width: int, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Receive the previous stage's output, [num_tokens, width] in ``dtype``, into ``out``
+        (a contiguous tensor of that shape, e.g. a CUDA graph's static input) or a new one."""
+        if out is None:
+            out = torch.empty(num_tokens, width, dtype=dtype, device=self.device)
+        elif tuple(out.shape) != (num_tokens, width) or not out.is_contiguous():
+            raise ValueError(f"recv_payload: out {tuple(out.shape)} is not a contiguous "
+                             f"[{num_tokens}, {width}] tensor")
+        recv_tensor(out, self.prev_rank, self.world_group)
+        return out
 
     def wait_sends(self) -> None:
         for work, _ in self._pending_sends:

@@ -167,15 +167,32 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> hidden states [T, hidden] on the last pipeline
         stage; None on the others, which send (hidden, residual) to the next stage."""
         par = self.parallel
-        if par.is_first_stage:
+        hidden_in = None
+        if not par.is_first_stage:
+            hidden_in = par.recv_payload(input_ids.shape[0], 2 * self.hidden_size, self.dtype)
+        out = self.forward_stage(input_ids, positions, kv_caches, meta, hidden_in)
+        if par.is_last_stage:
+            return out
+        par.send_payload(out)
+        return None
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                      hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """This pipeline stage's computation, without communication (so that the runner can
+        capture it in a CUDA graph and move the stage boundary's tensors itself).
+        hidden_in: None on the first stage (it embeds ``input_ids``), else the previous
+        stage's output [T, 2 * hidden] (hidden states, then the residual). Returns that
+        [T, 2 * hidden] on a stage before the last, the final-normed hidden states
+        [T, hidden] on the last."""
+        if hidden_in is None:
             x, residual = self.embed_tokens(input_ids), None
         else:
-            x, residual = par.recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
+            x, residual = hidden_in[:, :self.hidden_size], hidden_in[:, self.hidden_size:]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        if not par.is_last_stage:
-            par.send_hidden(x, residual)
-            return None
+        if not self.parallel.is_last_stage:
+            return torch.cat([x, residual], dim=-1)
         x, _ = self.norm(x, residual)
         return x
 
