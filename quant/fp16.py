@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagebatch.hookspecs import hookimpl
+from pagebatch.layers.dense import dense_linear
 from pagebatch.layers.linear import LinearBase, QuantMethod
 
 
@@ -35,7 +35,7 @@ class UnquantizedMethod(QuantMethod):
         dst.copy_(tensor)
 
     def apply(self, layer: LinearBase, x):
-        return F.linear(x, layer.weight, layer.bias)
+        return dense_linear(x, layer.weight, layer.bias)
 
 
 @hookimpl

@@ -9,9 +9,12 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            decoder layer and its ratio to bf16 (the batch-1 decode target is >= 1.8x)
   paths    W4A16 at each M: the Triton split-K/GEMM kernel vs dequantize + cuBLAS, to place
            quant/kernels/wna16.py's DENSE_MIN_M
+  --only tune-dense --tune DIR  the 16-bit GEMV of core/kernels/gemv.py against cuBLAS at
+           the 8B / 1B decode shapes (LM heads included); the faster per shape and M written as
+           DIR/dense_gemv_<GPU>.json (core/layers/dense.py uses the GEMV only where it won)
   --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
            the fastest per shape and M written to DIR as the tuned table that pick_config reads
-           (quant/kernels/tuned.py; commit it under quant/kernels/configs/)
+           (core/kernels/tuned.py; commit it under core/kernels/configs/)
 
 Every case first checks its result against the dequantized reference. Times are medians of CUDA
 graph replays (triton.testing.do_bench_cudagraph), as decode steps run under CUDA graphs.
@@ -173,8 +176,8 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
     g128, 4 bits): each checked against the reference (also after its timed replays, which
     catches split-K counters left non-zero), the fastest kept per shape and M; written as the
-    tuned table of quant/kernels/tuned.py when ``tune_dir`` is given."""
-    from pagebatch.quant.kernels import tuned
+    tuned table of core/kernels/tuned.py when ``tune_dir`` is given."""
+    from pagebatch.kernels import tuned
 
     print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
     table: dict[str, dict[str, dict]] = {}
@@ -233,12 +236,78 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
             print(f"tuned table written to {path}", flush=True)
 
 
+DENSE_SHAPES = {  # (K, N) of the 16-bit linear layers and LM heads at batch-1 decode
+    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672),
+    "8b.down": (14336, 4096), "8b.lm_head": (4096, 128256),
+    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384),
+    "1b.down": (8192, 2048), "1b.lm_head": (2048, 128256),
+}
+
+
+def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
+    """The 16-bit GEMV (core/kernels/gemv.py) against cuBLAS (``F.linear``) at decode sizes of
+    the 8B and 1B shapes: every candidate checked against the reference before and after its
+    timed replays; the fastest of all (cuBLAS included) kept per shape and M, written as the
+    ``dense_gemv`` table that core/layers/dense.py reads."""
+    from pagebatch.kernels import tuned
+    from pagebatch.kernels.gemv import gemv
+    from pagebatch.layers.dense import gemv_key
+
+    print("== 16-bit GEMV vs cuBLAS (us) ==", flush=True)
+    path = tuned.config_path("dense_gemv", tuned.device_name(DEV), tune_dir) if tune_dir else None
+    table: dict[str, dict[str, dict]] = {}
+    if path is not None and path.is_file():
+        table = json.loads(path.read_text())
+    for m, (shape, (k, n)) in itertools.product(rows, DENSE_SHAPES.items()):
+        w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
+        x = torch.randn(m, k, device=DEV, dtype=DT)
+        ref = x.float() @ w.float().t()
+
+        def ok(cfg) -> bool:
+            out = gemv(x, w, None, **cfg).float()
+            return ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+        t_cublas = time_ms(lambda: F.linear(x, w), rep=20)
+        results = [(t_cublas, {"kernel": "cublas"})]
+        for bn, bk, sk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512),
+                                                   (1, 2, 4, 8), (4, 8)):
+            if bn * bk > 16384:
+                continue
+            cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=warps, num_stages=3)
+            try:
+                if not ok(cfg):
+                    print(f"      WRONG {cfg}")
+                    continue
+                ms = time_ms(lambda: gemv(x, w, None, **cfg), rep=20)
+                if not ok(cfg):
+                    print(f"      WRONG after replays {cfg}")
+                    continue
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources
+                print(f"      failed {type(e).__name__} {cfg}")
+                continue
+            results.append((ms, {"kernel": "gemv", **cfg}))
+        results.sort(key=lambda r: r[0])
+        best_ms, best = results[0]
+        wb = w.numel() * 2
+        print(f"  {shape:11s} M={m:3d} cuBLAS {t_cublas * 1e3:7.1f} "
+              f"({wb / t_cublas / 1e6:.0f} GB/s)  best {best_ms * 1e3:7.1f} "
+              f"({wb / best_ms / 1e6:.0f} GB/s) {best}", flush=True)
+        table.setdefault(gemv_key(n, k), {})[str(m)] = best
+        ROWS.append(dict(group="tune_dense", shape=shape, m=m, cublas_us=t_cublas * 1e3,
+                         best_us=best_ms * 1e3, best=best))
+        w = x = ref = None
+        torch.cuda.empty_cache()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["layers", "paths", "tune"], action="append",
+    ap.add_argument("--only", choices=["layers", "paths", "tune", "tune-dense"], action="append",
                     help="run only these parts (default: layers and paths)")
     ap.add_argument("--tune", metavar="DIR", help="also tune the W4A16 kernels at decode sizes "
-                    "and write the table (quant/kernels/tuned.py) into DIR")
+                    "and write the table (core/kernels/tuned.py) into DIR")
     ap.add_argument("--tune-m", default="1,2,4,8,16",
                     help="row counts to tune at (comma-separated; default %(default)s)")
     ap.add_argument("--json", help="write every number to this file")
@@ -249,8 +318,11 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     parts = args.only or ["layers", "paths"] + (["tune"] if args.tune else [])
     for part in parts:
+        rows = tuple(int(v) for v in args.tune_m.split(","))
         if part == "tune":
-            bench_tune(args.tune, tuple(int(v) for v in args.tune_m.split(",")))
+            bench_tune(args.tune, rows)
+        elif part == "tune-dense":
+            bench_tune_dense(args.tune, rows)
         else:
             {"layers": bench_layers, "paths": bench_paths}[part]()
     if args.json:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 7's engine benchmarks on the GPU machine (through the device tool):
-#   bash scripts/gpu_engine_bench.sh quick|8b|rest|tests|quant|quant-lat|quant-tput
+#   bash scripts/gpu_engine_bench.sh quick|8b|rest|tests|quant|dense|quant-lat|quant-tput
 # quick: the CUDA-graph GPU tests and the 1B-shape runs; 8b: T1 (with --compare hf), T2 and T5
 # (cold and warm Triton cache); rest: T4 (nano-vllm workload), T6 (GPU busy time), T3 with
 # --compare hf. Writes JSON to $OUT (or /tmp/out) and prints a table last.
@@ -63,7 +63,7 @@ quant)  # issue 8 in one go: the quant kernel GPU tests, a fresh W4A16 tuning at
     # vs bf16, W8A8 / fp8 on the prefill-heavy workload vs bf16
     run quant-kernel-tests 150 python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_quant_kernels.py tests/test_int8_fp8_kernels.py
-    mkdir -p "$OUT/configs" && cp quant/kernels/configs/*.json "$OUT/configs/"
+    mkdir -p "$OUT/configs" && cp core/kernels/configs/*.json "$OUT/configs/"
     run tune-m1 120 python3 scripts/bench_quant.py --only tune --tune "$OUT/configs" --tune-m 1
     export PAGEBATCH_KERNEL_CONFIG_DIR=$OUT/configs
     for q in bf16 awq gptq; do
@@ -75,6 +75,18 @@ quant)  # issue 8 in one go: the quant kernel GPU tests, a fresh W4A16 tuning at
         extra=""; [ $q != bf16 ] && extra="--quantization $q"
         run tput-8b-$q 90 $B throughput $C8 $extra --max-num-batched-tokens 16384 \
             --num-prompts 256 --input-len 2048 --output-len 128 --output "$OUT/tput2k-8b-$q.json"
+    done ;;
+dense)  # issue 7, T2/T3: the 16-bit GEMV against cuBLAS (tuned into $OUT/configs), then batch-1
+    # decode of the 8B and 1B shapes without the table (cuBLAS) and with it, side by side
+    mkdir -p "$OUT/configs" && cp core/kernels/configs/*.json "$OUT/configs/"
+    run tune-dense 200 python3 scripts/bench_quant.py --only tune-dense --tune "$OUT/configs" \
+        --tune-m 1,2
+    for shape in 8b 1b; do
+        C=$C8; [ $shape = 1b ] && C=$C1
+        run lat-$shape-cublas 75 $B latency $C --input-len 128 --output-len 256 \
+            --output "$OUT/lat-$shape-cublas.json"
+        PAGEBATCH_KERNEL_CONFIG_DIR=$OUT/configs run lat-$shape-gemv 75 $B latency $C \
+            --input-len 128 --output-len 256 --output "$OUT/lat-$shape-gemv.json"
     done ;;
 quant-tput)  # issue 8: W8A8 and fp8 on a prefill-heavy workload vs bf16
     for q in bf16 int8 fp8; do

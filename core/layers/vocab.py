@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dense import dense_linear
+
 if TYPE_CHECKING:
     from ..distributed.parallel_state import ParallelContext
 
@@ -75,7 +77,7 @@ class LMHead(_VocabShard):
         super().__init__(vocab_size, hidden_size, dtype, device, tp, shared=tied_to)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = dense_linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.tp.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float()

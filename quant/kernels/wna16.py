@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pagebatch.kernels import num_sms
 
-from . import tuned
+from pagebatch.kernels import tuned
 from .wna16_gemv import gemv_supported, wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
@@ -113,7 +113,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def shape_key(bits: int, n: int, k: int, group_size: int) -> str:
-    """The key of a layer shape in the tuned-config tables (quant/kernels/tuned.py)."""
+    """The key of a layer shape in the tuned-config tables (core/kernels/tuned.py)."""
     return f"bits={bits},n={n},k={k},group={group_size}"
 
 
@@ -122,7 +122,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
     """Path and launch parameters for an [m, k] x [k, n] product: ``kernel`` is ``gemv``
     (wna16_gemv.py, CUDA cores) or ``gemm`` (this file's tensor-core kernel), with their block
     sizes, split-K, warps and stages. A config measured on this GPU (scripts/bench_quant.py
-    --tune, quant/kernels/tuned.py) wins; otherwise heuristics."""
+    --tune, core/kernels/tuned.py) wins; otherwise heuristics."""
     if not has_g_idx and m <= DECODE_MAX_M:
         cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m)
         if cfg is not None:

@@ -18,12 +18,8 @@ integer pipe is half as wide as the fp32 one). Per 4-bit weight field the kernel
   (measured in tests/test_quant_kernels.py);
 - the products of one K tile are summed first; its group's scale is applied once per tile.
 
-Split-K without extra kernels: the K tiles are shared by ``SPLIT_K`` programs per output tile;
-each writes its fp32 partial sum to a workspace, and the program that arrives last (an atomic
-counter per output tile) adds the partials in a fixed order, writes the output in its dtype and
-resets the counter to 0 for the next launch. No zero-filled buffer and no cast kernel: one launch
-per product, which matters at batch 1 where a decoder layer is a handful of small products.
-Launches on one stream only (the counters are shared by the launches on a device).
+Split-K without extra launches: core/kernels/splitk.py (the last-arriving program adds the
+partials).
 """
 
 from __future__ import annotations
@@ -32,19 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The device's split-K counters (int32, zero; each launch leaves them at zero). Allocated at
-    the first launch on the device, which must not be inside CUDA-graph capture (the engine's
-    warm-up runs every graphed size eagerly first)."""
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
+from pagebatch.kernels.splitk import check_tiles, splitk_store, workspace
 
 @triton.jit
 def _field(w, BITS: tl.constexpr, OFF: tl.constexpr):
@@ -104,21 +88,8 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc += part * s[None, :]
         acc_z += s * (z * tl.sum(x_sum, axis=0) + tl.sum(x_off, axis=0))
     res = tl.sum(acc, axis=0) - acc_z
-    out_ptrs = out_ptr + m * stride_om + offs_n
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.store(ws_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of this tile's programs: add the partials
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for p in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + (p * M + m) * N + offs_n, mask=n_ok, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(cnt, 0)
+    splitk_store(res, out_ptr + m * stride_om + offs_n, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N,
+                 offs_n, SPLIT_K)
 
 
 def gemv_supported(bits: int, group_size: int, block_kp: int, has_g_idx: bool) -> bool:
@@ -146,15 +117,10 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GEMV tile of {block_kp * pf} inputs does not divide group size "
                          f"{group_size} (bits={bits})")
     n_tiles = triton.cdiv(n, block_n)
-    if m * n_tiles > MAX_COUNTERS:
-        raise ValueError(f"GEMV: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} counters")
+    check_tiles(m, n_tiles, "GEMV")
     x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if split_k > 1:
-        ws = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
-        cnt = _counter_buffer(x.device)
-    else:
-        ws = cnt = out
+    ws, cnt = workspace(split_k, m, n, out)
     _wna16_gemv_kernel[(n_tiles, split_k, m)](
         x, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, x.stride(0),
         qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits, SPLIT_K=split_k,

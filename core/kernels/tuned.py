@@ -6,7 +6,7 @@ the kernel's own heuristics as the fallback for shapes or devices that have no e
 File: ``<dir>/<kernel>_<device name, spaces as _>.json`` = ``{shape key: {"M": config}}`` where
 ``M`` is the largest row count the config was measured at (a lookup for ``m`` rows takes the
 entry with the smallest ``M >= m``). Directories searched: ``$PAGEBATCH_KERNEL_CONFIG_DIR`` first
-(a fresh sweep), then quant/kernels/configs/ in the package.
+(a fresh sweep), then core/kernels/configs/ in the package.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    """The GPU's name as the tables are named (spaces as _), looked up once per device."""
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 def config_path(kernel: str, name: str, directory: str | Path) -> Path:

@@ -1,0 +1,36 @@
+"""``x @ W^T (+ bias)`` for 16-bit weights ``[N, K]``: torch's ``F.linear`` (cuBLAS), except at
+decode sizes on a GPU whose tuned table (core/kernels/tuned.py, kernel ``dense_gemv``) measured
+the Triton GEMV of core/kernels/gemv.py faster for this shape and row count. Without a table
+entry nothing changes; the lookup is skipped for more than ``GEMV_MAX_M`` rows (prefill)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_MAX_M = 16
+_kernels: dict = {}  # the Triton GEMV and the tables' module, imported on first CUDA use
+
+
+def _modules():
+    if not _kernels:
+        from pagebatch.kernels import gemv, tuned
+
+        _kernels.update(gemv=gemv.gemv, lookup=tuned.lookup)
+    return _kernels
+
+
+def gemv_key(n: int, k: int) -> str:
+    """The key of an [N, K] weight in the ``dense_gemv`` tables."""
+    return f"n={n},k={k}"
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.dtype == weight.dtype:
+        mods = _modules()
+        cfg = mods["lookup"]("dense_gemv", x.device, gemv_key(*weight.shape), x.shape[0])
+        if cfg is not None and cfg.pop("kernel", None) == "gemv":
+            return mods["gemv"](x, weight, bias, **cfg)
+    return F.linear(x, weight, bias)

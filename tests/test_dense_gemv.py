@@ -1,0 +1,58 @@
+"""The 16-bit batch-1 GEMV (core/kernels/gemv.py) against ``F.linear``: masked N and K edges,
+bias, split-K through the last-arriving program (core/kernels/splitk.py). With CUDA the kernel
+runs compiled (bf16, fp16); on the CPU under ``TRITON_INTERPRET=1`` in a child process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from interpreted import (DEVICE, DTYPES, IN_PROCESS, ON_GPU, REL_TOL,  # noqa: F401
+                         kernels_run_here, rel_err, run_under_interpreter)
+
+
+def test_kernels_under_interpreter():
+    """CPU: this file in a fresh process under TRITON_INTERPRET=1; fails with its output."""
+    run_under_interpreter(__file__, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,block_n,block_k,split_k,bias", [
+    (1, 64, 256, 32, 64, 1, False), (1, 50, 200, 16, 64, 3, True),
+    (3, 33, 96, 32, 32, 2, True), (2, 8, 64, 16, 32, 8, False)])
+def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype):
+    from pagebatch.kernels.gemv import gemv
+    from pagebatch.kernels.splitk import counter_buffer
+
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    for _ in range(2):  # the second launch reuses the counters the first left at zero
+        out = gemv(x, w, b, block_n=block_n, block_k=block_k, split_k=split_k)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, ref) < REL_TOL[dtype]
+    assert not counter_buffer(x.device).any()
+
+
+def test_gemv_errors():
+    from pagebatch.kernels.gemv import gemv
+
+    x = torch.randn(1, 32, device=DEVICE)
+    w = torch.randn(16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\(1, 32\) and weight \(16, 31\)"):
+        gemv(x, w[:, :31], block_n=16, block_k=32)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        gemv(x, torch.randn(32, 16, device=DEVICE).t(), block_n=16, block_k=32)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.zeros(15, device=DEVICE), block_n=16, block_k=32)
+
+
+def test_dense_linear_without_a_table_is_f_linear():
+    """No tuned table entry (the CPU; shapes never tuned): exactly F.linear."""
+    from pagebatch.layers.dense import dense_linear
+
+    x, w, b = torch.randn(2, 24), torch.randn(8, 24), torch.randn(8)
+    assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b))
