@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .splitk import check_tiles, splitk_store, workspace
+from .splitk import launch_buffers, splitk_store
 
 
 @triton.jit
@@ -67,11 +67,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} is not contiguous [N={n}]")
-    n_tiles = triton.cdiv(n, block_n)
-    check_tiles(m, n_tiles, "gemv")
-    x = x.contiguous()
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    ws, cnt = workspace(split_k, m, n, out)
+    x, out, ws, cnt, n_tiles = launch_buffers(x, n, block_n, split_k, "gemv")
     _gemv_kernel[(n_tiles, split_k, m)](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k,

@@ -27,14 +27,6 @@ def counter_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def check_tiles(m: int, n_tiles: int, what: str) -> None:
-    """Raises ValueError when ``m`` rows x ``n_tiles`` output tiles need more counters than
-    there are."""
-    if m * n_tiles > MAX_COUNTERS:
-        raise ValueError(f"{what}: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} "
-                         f"split-K counters")
-
-
 @triton.jit
 def splitk_store(res, out_ptrs, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N, offs_n,
                  SPLIT_K: tl.constexpr):
@@ -57,11 +49,20 @@ def splitk_store(res, out_ptrs, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N, offs_n,
             tl.atomic_xchg(cnt, 0)
 
 
-def workspace(split_k: int, m: int, n: int, out: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(workspace, counters) for a launch: fp32 ``[split_k, m, n]`` and the device's counters;
-    ``(out, out)`` placeholders when ``split_k == 1``."""
+def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: str):
+    """For a GEMV launch over ``x`` [M, K]: (x contiguous, out [M, n] in x's dtype, workspace,
+    counters, number of output tiles). The workspace is fp32 ``[split_k, M, n]`` and the
+    counters the device's (both ``out`` placeholders when ``split_k == 1``).
+
+    Raises ValueError when M x the output tiles need more counters than there are."""
+    m = x.shape[0]
+    n_tiles = triton.cdiv(n, block_n)
+    if m * n_tiles > MAX_COUNTERS:
+        raise ValueError(f"{what}: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} "
+                         f"split-K counters")
+    x = x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if split_k == 1:
-        return out, out
-    ws = torch.empty(split_k, m, n, device=out.device, dtype=torch.float32)
-    return ws, counter_buffer(out.device)
+        return x, out, out, out, n_tiles
+    ws = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+    return x, out, ws, counter_buffer(x.device), n_tiles

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagebatch.kernels.splitk import check_tiles, splitk_store, workspace
+from pagebatch.kernels.splitk import launch_buffers, splitk_store
 
 @triton.jit
 def _field(w, BITS: tl.constexpr, OFF: tl.constexpr):
@@ -116,11 +116,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not gemv_supported(bits, group_size, block_kp, False):
         raise ValueError(f"GEMV tile of {block_kp * pf} inputs does not divide group size "
                          f"{group_size} (bits={bits})")
-    n_tiles = triton.cdiv(n, block_n)
-    check_tiles(m, n_tiles, "GEMV")
-    x = x.contiguous()
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    ws, cnt = workspace(split_k, m, n, out)
+    x, out, ws, cnt, n_tiles = launch_buffers(x, n, block_n, split_k, "GEMV")
     _wna16_gemv_kernel[(n_tiles, split_k, m)](
         x, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, x.stride(0),
         qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits, SPLIT_K=split_k,
