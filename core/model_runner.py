@@ -272,18 +272,18 @@ class ModelRunner:
 
     def _replay(self, bs: int) -> torch.Tensor | None:
         """Replay decode graph ``bs``; on a pipeline stage, receive its input into the graph's
-        static buffer first and send its output on after (None then, before the last stage).
-        The previous step's send read the static output: the stream waits for it first."""
+        static buffer first and send a copy of its output on after (None then, before the last
+        stage): the next replay may overwrite the static output (all buckets share one pool)
+        while the send is still in flight, and need not wait for it."""
         par = self.parallel
         if not self._stage_io:
             return self.graphs.replay(bs)
-        if self._pp_in is not None:
+        if self._pp_in is not None:  # (NCCL's stream waits for the replay that last read it)
             par.recv_payload(bs, self._pp_in.shape[1], self._pp_in.dtype, out=self._pp_in[:bs])
-        par.wait_sends()
         out = self.graphs.replay(bs)
         if par.is_last_stage:
             return out
-        par.send_payload(out)
+        par.send_payload(out.clone())
         return None
 
     # ---- one step -----------------------------------------------------------------------------

@@ -92,7 +92,10 @@ class Int8Method(QuantMethod):
         if name == "weight_scale":  # [out], [out, 1] or a scalar
             if tensor.dim() > 0 and tensor.shape[0] > 1:
                 tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0)
-            t = tensor.reshape(-1) if tensor.dim() == 2 and tensor.shape[1] == 1 else tensor
+            if tensor.numel() == 1:  # one scale for the whole tensor
+                t = tensor.reshape(1).expand(size)
+            else:
+                t = tensor.reshape(-1) if tensor.dim() == 2 and tensor.shape[1] == 1 else tensor
             copy_rows(self.name, layer.weight_scale.narrow(0, start, size), name, t.float(),
                       shard)
             return

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism on two GPUs (NCCL): TP=2 (CUDA graphs with the all-reduce
-captured, asynchronous scheduling) and PP=2 give one GPU's eager greedy tokens (fp32, near-tie
-rule) for a batch of mixed lengths with prefix-cache hits and chunked prefill. Skips without two
-CUDA devices (device kind nvidia-h200-x2)."""
+captured, asynchronous scheduling) and PP=2 (each stage's decode steps in CUDA graphs) give one
+GPU's eager greedy tokens (fp32, near-tie rule) for a batch of mixed lengths with prefix-cache
+hits and chunked prefill. Skips without two CUDA devices (device kind nvidia-h200-x2)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_tp2_and_pp2_greedy_equal_one_gpu(tmp_path):
     ref, gaps, _ = _generate(folder, prompts, enforce_eager=True, async_scheduling=False)
     tp_tokens, _, tp_replays = _generate(folder, prompts, tensor_parallel_size=2)
     assert tp_replays > 20, "TP decode steps should replay CUDA graphs"
-    pp_tokens, _, _ = _generate(folder, prompts, pipeline_parallel_size=2)
+    pp_tokens, _, pp_replays = _generate(folder, prompts, pipeline_parallel_size=2)
+    assert pp_replays > 20, "PP decode steps should replay each stage's CUDA graphs"
     for i, (r, g) in enumerate(zip(ref, gaps)):
         assert_greedy_match(r, g, tp_tokens[i], what=f"tp2 prompt {i}")
         assert_greedy_match(r, g, pp_tokens[i], what=f"pp2 prompt {i}")

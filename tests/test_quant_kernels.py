@@ -82,8 +82,8 @@ def test_gemm_equals_dequantized(kind, bits, k, n, group_size, m, block_k, split
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind,bits,k,n,group_size",
-                         [("awq", 4, 256, 64, 64), ("awq", 4, 128, 40, -1), ("gptq", 8, 256, 48, 64),
-                          ("gptq", 4, 512, 32, 128)])
+                         [("awq", 4, 256, 64, 64), ("awq", 4, 128, 40, -1),
+                          ("gptq", 8, 256, 48, 64), ("gptq", 4, 512, 32, 128)])
 @pytest.mark.parametrize("m,block_n,block_kp,split_k", [(1, 32, 8, 1), (1, 16, 4, 3),
                                                         (3, 32, 8, 4), (2, 64, 4, 16)])
 def test_gemv_equals_dequantized(kind, bits, k, n, group_size, m, block_n, block_kp, split_k,

@@ -54,10 +54,11 @@ def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: st
     counters, number of output tiles). The workspace is fp32 ``[split_k, M, n]`` and the
     counters the device's (both ``out`` placeholders when ``split_k == 1``).
 
-    Raises ValueError when M x the output tiles need more counters than there are."""
+    Raises ValueError when split-K needs more counters (M x the output tiles) than there
+    are."""
     m = x.shape[0]
     n_tiles = triton.cdiv(n, block_n)
-    if m * n_tiles > MAX_COUNTERS:
+    if split_k > 1 and m * n_tiles > MAX_COUNTERS:
         raise ValueError(f"{what}: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} "
                          f"split-K counters")
     x = x.contiguous()

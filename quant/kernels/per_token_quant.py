@@ -49,10 +49,12 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, eps,
     q_row = q_ptr + row * stride_q
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    poison = tl.zeros((BLOCK,), dtype=tl.float32)  # NaN where x has a NaN or an inf
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), QMAX)
+        amax = tl.maximum(amax, tl.abs(x))  # (max ignores NaN: the poison carries it)
+        poison += x * 0.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), QMAX) + tl.sum(poison, axis=0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         ok = k0 + offs < K

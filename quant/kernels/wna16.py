@@ -179,6 +179,9 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not match K={k} at {bits} bits")
+    if group_size <= 0:
+        raise ValueError(f"wna16_gemm: group_size={group_size}; resolve -1 (one group) to K "
+                         f"first, as the layers do")
     x = x.contiguous()
     if g_idx is not None:
         mode = 2
@@ -220,6 +223,11 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  ) -> torch.Tensor:
     """``x @ W^T`` for x [M, K] (fp16/bf16) -> [M, N] in x's dtype, choosing the path by M."""
     m = x.shape[0]
+    if group_size <= 0:
+        raise ValueError(f"wna16_matmul: group_size={group_size}; resolve -1 (one group) to K "
+                         f"first, as the layers do")
+    if m == 0:
+        return x.new_empty(0, qweight.shape[1])
     if m >= dense_min_m:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
     cfg = pick_config(m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
