@@ -56,3 +56,28 @@ def test_dense_linear_without_a_table_is_f_linear():
 
     x, w, b = torch.randn(2, 24), torch.randn(8, 24), torch.randn(8)
     assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_dense_table_choice(tmp_path, monkeypatch):
+    """core/layers/dense.py asks the ``dense_gemv`` table once per (device, N, K, M): the GEMV's
+    parameters where the sweep measured it faster, None (cuBLAS) where cuBLAS won or nothing
+    was measured."""
+    import json
+
+    from pagebatch.kernels import tuned
+    from pagebatch.layers import dense
+
+    table = {dense.gemv_key(64, 32): {"1": {"kernel": "gemv", "block_n": 16, "block_k": 32},
+                                      "2": {"kernel": "cublas"}}}
+    (tmp_path / "dense_gemv_Fake_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tuned, "_device_name", lambda index: "Fake_GPU")
+    tuned.load_table.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert dense._lookup(cuda, 64, 32, 1) == {"block_n": 16, "block_k": 32}
+        assert dense._lookup(cuda, 64, 32, 2) is None  # cuBLAS won
+        assert dense._lookup(cuda, 64, 32, 3) is None  # not measured
+        assert dense._lookup(cuda, 128, 32, 1) is None
+    finally:
+        tuned.load_table.cache_clear()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 GEMV_MAX_M = 16
 _kernels: dict = {}  # the Triton GEMV and the tables' module, imported on first CUDA use
+_choice: dict[tuple, dict | None] = {}  # (device, N, K, M) -> GEMV parameters or None
 
 
 def _modules():
@@ -29,8 +30,18 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes)."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.dtype == weight.dtype:
-        mods = _modules()
-        cfg = mods["lookup"]("dense_gemv", x.device, gemv_key(*weight.shape), x.shape[0])
-        if cfg is not None and cfg.pop("kernel", None) == "gemv":
-            return mods["gemv"](x, weight, bias, **cfg)
+        key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
+        cfg = _choice.get(key, False)
+        if cfg is False:  # first call for this shape: ask the table once
+            cfg = _choice[key] = _lookup(*key)
+        if cfg is not None:
+            return _kernels["gemv"](x, weight, bias, **cfg)
     return F.linear(x, weight, bias)
+
+
+def _lookup(device: torch.device, n: int, k: int, m: int) -> dict | None:
+    """The GEMV's launch parameters where the table chose it, else None (cuBLAS)."""
+    cfg = _modules()["lookup"]("dense_gemv", device, gemv_key(n, k), m)
+    if cfg is None or cfg.pop("kernel", None) != "gemv":
+        return None
+    return cfg
