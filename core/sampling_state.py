@@ -153,7 +153,9 @@ class SamplingStates:
         self.states: dict[str, SamplingState] = {}
         self.penalties = PenaltyState(vocab_size, device)
         self._penalty_slots: torch.Tensor | None = None  # of the last batch, for update
-        self._reused: set[str] = set()  # ids added again before their old state was removed
+        # id -> how many finished requests of that id still await their removal (the id was
+        # added again before the old state's removal came)
+        self._reused: dict[str, int] = {}
 
     def __getitem__(self, request_id: str) -> SamplingState:
         return self.states[request_id]
@@ -170,14 +172,19 @@ class SamplingStates:
         old = self.states.get(request_id)
         if old is not None:  # the id of a finished request, reused before its state was dropped
             self.penalties.release(old)
-            self._reused.add(request_id)
+            self._reused[request_id] = self._reused.get(request_id, 0) + 1
         self.states[request_id] = state
 
     def remove(self, request_ids: Iterable[str]) -> None:
-        """Drop the states of finished requests (an id reused since keeps its new state)."""
+        """Drop the states of finished requests, one removal per finished request (an id
+        reused since keeps its new state until its own finish is removed too)."""
         for rid in request_ids:
-            if rid in self._reused:
-                self._reused.discard(rid)
+            pending = self._reused.get(rid)
+            if pending:  # this removal is an older request's: the state is the new one's
+                if pending == 1:
+                    del self._reused[rid]
+                else:
+                    self._reused[rid] = pending - 1
                 continue
             st = self.states.pop(rid, None)
             if st is not None:

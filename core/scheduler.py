@@ -81,7 +81,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
-    finished_request_ids: set[str] = field(default_factory=set)  # since the previous step
+    # requests finished since the previous step, each incarnation once: an id reused after its
+    # request finished, whose new request finished too before this step, appears twice
+    finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
@@ -121,7 +123,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
         self.running: list[Request] = []  # admission order
-        self._finished_ids: set[str] = set()
+        self._finished_ids: list[str] = []
         self.rejected: list[Request] = []  # finished with an error by the scheduler itself
         self.stats = SchedulerStats()
 
@@ -167,7 +169,7 @@ class Scheduler:
         req.finish_reason = reason
         self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
-        self._finished_ids.add(req.request_id)
+        self._finished_ids.append(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -206,7 +208,7 @@ class Scheduler:
             req.num_pending_tokens += sr.sample
         out = SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled),
                               self._finished_ids, preempted)
-        self._finished_ids = set()
+        self._finished_ids = []
         self.stats.num_steps += 1
         return out
 

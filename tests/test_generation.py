@@ -436,6 +436,29 @@ def test_a_request_id_can_be_reused_at_once(tiny_llm):
     assert len(outs[-1].outputs[0].logprobs) == 4
 
 
+def test_a_reused_id_whose_new_request_ends_at_once_leaves_no_state(tiny_llm):
+    """The old and the new request of one id both finish before the next step: the runner gets
+    two removals for the id (one per request) and keeps no sampling state for it."""
+    engine = tiny_llm.engine
+    sp = SamplingParams(temperature=0.5, max_tokens=2, seed=1, ignore_eos=True,
+                        repetition_penalty=1.2)
+    engine.add_request({"prompt_token_ids": [5, 6]}, sp, request_id="twice")
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.add_request({"prompt_token_ids": [7, 8]}, sp, request_id="twice")
+    engine.abort_request(["twice"])
+    engine.add_request({"prompt_token_ids": [9]}, SamplingParams(max_tokens=1),
+                       request_id="other")
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.add_request({"prompt_token_ids": [9]}, SamplingParams(max_tokens=1),
+                       request_id="last")  # a step that carries the finished ids
+    while engine.has_unfinished_requests:
+        engine.step()
+    states = engine.core.runner.sampling_states
+    assert "twice" not in states and "other" not in states
+
+
 def test_async_engine_streams_n_samples_with_stop_strings_and_logprobs(tiny_model_dir,
                                                                        tiny_llm):
     """Through AsyncEngine (the core behind a client on its output thread): one stream per

@@ -17,7 +17,7 @@ def _batch(max_num_seqs=4, max_blocks=8, max_tokens=64) -> InputBatch:
 
 
 def _so(*reqs, finished=(), preempted=()) -> SchedulerOutput:
-    return SchedulerOutput(list(reqs), sum(len(r.token_ids) for r in reqs), set(finished),
+    return SchedulerOutput(list(reqs), sum(len(r.token_ids) for r in reqs), list(finished),
                            list(preempted))
 
 

@@ -228,17 +228,17 @@ def test_step_codec_round_trip():
     table_a, table_b = [3, 9], [1, 2, 4]
     so = SchedulerOutput([ScheduledRequest("a", [5, 6, 7], 0, table_a, False),
                           ScheduledRequest("bé", [8], 20, table_b, True)],
-                         4, {"old", "x"}, [])
+                         4, ["old", "x"], [])
     states = [("a", SamplingState(0.0, 0, 1.0, 1))]
     first = enc.encode(so, states)
     msg = dec.decode(first)
     assert msg.kind == step_codec.STEP and msg.so == so and msg.new_states == states
     table_a.append(10)  # a grows; b is preempted and comes back with a new table
-    so2 = SchedulerOutput([ScheduledRequest("a", [11], 3, table_a, True)], 1, set(), ["bé"])
+    so2 = SchedulerOutput([ScheduledRequest("a", [11], 3, table_a, True)], 1, [], ["bé"])
     second = enc.encode(so2, [])
     assert len(second) < len(first) and dec.decode(second).so == so2
     so3 = SchedulerOutput([ScheduledRequest("bé", [8, 9], 0, [7, 1], True),
-                           ScheduledRequest("a", [12], 4, table_a, True)], 3, {"zz"}, [])
+                           ScheduledRequest("a", [12], 4, table_a, True)], 3, ["zz", "zz"], [])
     assert dec.decode(enc.encode(so3, [])).so == so3
     empty = SchedulerOutput([], 0)
     assert dec.decode(enc.encode(empty, [])).so == empty

@@ -62,8 +62,8 @@ def test_single_request_exact_steps_and_blocks():
     assert not sched.has_unfinished_requests
 
     so = sched.schedule()
-    assert so.is_empty and so.finished_request_ids == {"a"}
-    assert sched.schedule().finished_request_ids == set()  # reported once
+    assert so.is_empty and so.finished_request_ids == ["a"]
+    assert sched.schedule().finished_request_ids == []  # reported once
 
 
 def test_prompt_filling_whole_blocks():
@@ -114,7 +114,7 @@ def test_requests_leave_the_batch_at_their_own_max_tokens():
     outs = run_until_done(sched, runner)
     assert [[s.request_id for s in so.scheduled] for so in outs] == [
         ["a", "b", "c"], ["a", "c"], ["a"]]
-    assert outs[1].finished_request_ids == {"b"} and outs[2].finished_request_ids == {"c"}
+    assert outs[1].finished_request_ids == ["b"] and outs[2].finished_request_ids == ["c"]
     for r in reqs:
         assert r.finish_reason == FinishReason.LENGTH
         assert r.output_token_ids == reference_outputs(r)[0]
@@ -352,7 +352,7 @@ def test_abort_running_frees_blocks_at_once():
     assert a.finish_reason == FinishReason.ABORT and a.is_finished
     check_scheduler_invariants(sched)
     so, _ = step(sched, runner)
-    assert so.finished_request_ids == {"a"} and shape(so) == [("b", 1, 3)]
+    assert so.finished_request_ids == ["a"] and shape(so) == [("b", 1, 3)]
 
 
 def test_abort_waiting_request():

@@ -141,5 +141,5 @@ class StepDecoder:
             scheduled.append(ScheduledRequest(ids[i], tokens[t0:tok_end[i]], start_pos[i],
                                               table, bool(sample[i])))
             t0, b0 = tok_end[i], blk_end[i]
-        return StepMessage(STEP, SchedulerOutput(scheduled, t, set(finished), preempted),
+        return StepMessage(STEP, SchedulerOutput(scheduled, t, list(finished), preempted),
                            states)
