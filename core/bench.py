@@ -23,7 +23,6 @@ from typing import Any
 from .config import EngineConfig
 
 
-
 def weight_bytes(model) -> int:
     """Bytes of the model's weights: parameters and persistent buffers (quantized weights,
     scales), each storage once (tied embeddings); not derived caches such as the rotary
@@ -35,6 +34,7 @@ def weight_bytes(model) -> int:
         seen.add(t.untyped_storage().data_ptr())
         total += t.untyped_storage().nbytes()
     return total
+
 
 def add_bench_parser(sub, add_engine_args, func) -> None:
     b = sub.add_parser("bench", help="offline throughput / latency benchmarks; serve: "

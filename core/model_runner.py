@@ -11,6 +11,7 @@ it, `collect` reads its results back (core/step_results.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -91,6 +92,9 @@ class ModelRunner:
                            self.parallel)
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
+        # a pipeline stage whose model has forward_stage: the runner moves the hidden states
+        # between stages itself (around the CUDA graphs of decode steps)
+        self._stage_io = self.parallel.pp_size > 1 and hasattr(self.model, "forward_stage")
         self.vocab_size = int(hf_config.vocab_size)
         self._load_weights(source)
         self.model.eval()
@@ -251,8 +255,6 @@ class ModelRunner:
         resources, and destroying the group then waited forever on an H200 pair."""
         if self.graphs is not None:
             self.graphs = None
-            import gc
-
             gc.collect()
             torch.cuda.synchronize(self.device)
 
@@ -263,12 +265,6 @@ class ModelRunner:
         return (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.attn_backend.supports_cuda_graphs
                 and (self.parallel.pp_size == 1 or self._stage_io))
-
-    @property
-    def _stage_io(self) -> bool:
-        """A pipeline stage whose model has ``forward_stage``: the runner moves the hidden
-        states between stages itself (around the CUDA graphs of decode steps)."""
-        return self.parallel.pp_size > 1 and hasattr(self.model, "forward_stage")
 
     def _replay(self, bs: int) -> torch.Tensor | None:
         """Replay decode graph ``bs``; on a pipeline stage, receive its input into the graph's

@@ -62,6 +62,51 @@ def load_bias(method: str, layer: LinearBase, tensor: Tensor, shard: int | None)
     copy_rows(method, layer.bias.data.narrow(0, start, size), "bias", tensor, shard)
 
 
+def as_rows(x: Tensor) -> Tensor:
+    """``x [..., K]`` as ``[T, K]`` with unit stride along K (a view when it already is), what
+    the per-token quantization kernels take."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def load_channel_scale(method: str, layer: LinearBase, name: str, tensor: Tensor,
+                       shard: int | None) -> None:
+    """A per-channel weight scale (``[out]`` or ``[out, 1]``) or a per-tensor one (a scalar or
+    ``[1]``, broadcast over the shard's rows) into ``layer.weight_scale`` (fp32 ``[out]``)."""
+    start, size = layer.shard_offset(shard)
+    if tensor.dim() > 0 and tensor.shape[0] > 1:
+        tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0)
+    t = tensor.float().reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(size)
+    copy_rows(method, layer.weight_scale.narrow(0, start, size), name, t, shard)
+
+
+def load_per_channel(method: str, layer: LinearBase, name: str, tensor: Tensor,
+                     shard: int | None, dtype: torch.dtype, quantize: Any,
+                     from_checkpoint: bool = False) -> None:
+    """One checkpoint tensor of a per-output-channel method (int8, fp8): ``weight`` ``[out,
+    in]`` already in ``dtype`` (or ``from_checkpoint``: its values widened by the loader, cast
+    back exactly) or a 16-bit weight quantized at load by ``quantize(w) -> (weight, scale)``;
+    ``weight_scale`` (`load_channel_scale`); ``bias``. Raises ValueError for other names."""
+    if name == "bias":
+        return load_bias(method, layer, tensor, shard)
+    if name == "weight_scale":  # [out], [out, 1] or a scalar
+        return load_channel_scale(method, layer, name, tensor, shard)
+    if name != "weight":
+        raise ValueError(f"{method}: unexpected checkpoint tensor {name!r} (expected weight, "
+                         f"weight_scale, bias; static activation scales are not supported)")
+    start, size = layer.shard_offset(shard)
+    rows = layer.weight.narrow(0, start, size)
+    tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0, input_dim=1)
+    if from_checkpoint or tensor.dtype == dtype:
+        copy_rows(method, rows, name, tensor.to(dtype), shard)
+    else:
+        q, s = quantize(tensor.to(rows.device))
+        copy_rows(method, rows, name, q, shard)
+        layer.weight_scale[start:start + size] = s
+
+
 def load_dummy_per_channel(layer: LinearBase, generator: torch.Generator,
                            quantize: Any) -> None:
     """N(0, 0.02) weights made on the layer's device and quantized per output channel by

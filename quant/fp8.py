@@ -18,8 +18,8 @@ from torch import Tensor
 from pagebatch.hookspecs import hookimpl
 from pagebatch.layers.linear import LinearBase, QuantMethod
 
-from .common import (check_allowed, config_field, copy_rows, load_bias, load_dummy_per_channel,
-                     make_bias)
+from .common import (as_rows, check_allowed, config_field, load_dummy_per_channel,
+                     load_per_channel, make_bias)
 from .packing import quantize_fp8_per_channel
 
 
@@ -65,30 +65,8 @@ class FP8Method(QuantMethod):
         make_bias(layer, dtype, device)
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
-        start, size = layer.shard_offset(shard)
-        if name == "bias":
-            return load_bias(self.name, layer, tensor, shard)
-        rows = layer.weight.narrow(0, start, size)
-        if name == "weight":  # [out, in]
-            tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0, input_dim=1)
-            if self.from_checkpoint or tensor.dtype == torch.float8_e4m3fn:
-                # fp8 values (the loader may have widened them to the model dtype: exact)
-                copy_rows(self.name, rows, name, tensor.to(torch.float8_e4m3fn), shard)
-            else:
-                q, s = quantize_fp8_per_channel(tensor.to(rows.device))
-                copy_rows(self.name, rows, name, q, shard)
-                layer.weight_scale[start:start + size] = s
-            return
-        if name == "weight_scale":  # [out], [out, 1] or a scalar
-            if tensor.dim() > 0 and tensor.shape[0] > 1:
-                tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0)
-            t = tensor.float().reshape(-1)
-            if t.numel() == 1:  # per-tensor: broadcast over the shard's rows
-                t = t.expand(size)
-            copy_rows(self.name, layer.weight_scale.narrow(0, start, size), name, t, shard)
-            return
-        raise ValueError(f"fp8: unexpected checkpoint tensor {name!r} (expected weight, "
-                         f"weight_scale, bias; static activation scales are not supported)")
+        load_per_channel(self.name, layer, name, tensor, shard, torch.float8_e4m3fn,
+                         quantize_fp8_per_channel, self.from_checkpoint)
 
     def load_dummy_weights(self, layer: LinearBase, generator: torch.Generator) -> None:
         load_dummy_per_channel(layer, generator, quantize_fp8_per_channel)
@@ -103,10 +81,7 @@ class FP8Method(QuantMethod):
 
     def apply(self, layer: LinearBase, x):
         if layer.use_scaled_mm and x.dtype in (torch.bfloat16, torch.float16):
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            out = fp8_matmul(x2, layer.weight.t(), layer.weight_scale[None, :])
+            out = fp8_matmul(as_rows(x), layer.weight.t(), layer.weight_scale[None, :])
             out = out.reshape(*x.shape[:-1], out.shape[-1])
         else:
             w = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)

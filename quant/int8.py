@@ -23,8 +23,8 @@ from torch import Tensor
 from pagebatch.hookspecs import hookimpl
 from pagebatch.layers.linear import LinearBase, QuantMethod
 
-from .common import (check_allowed, config_field, copy_rows, load_bias, load_dummy_per_channel,
-                     make_bias)
+from .common import (as_rows, check_allowed, config_field, load_dummy_per_channel,
+                     load_per_channel, make_bias)
 from .packing import quantize_int8_per_channel
 
 _kernels = None
@@ -77,30 +77,8 @@ class Int8Method(QuantMethod):
         make_bias(layer, dtype, device)
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
-        start, size = layer.shard_offset(shard)
-        if name == "bias":
-            return load_bias(self.name, layer, tensor, shard)
-        if name == "weight":  # [out, in]
-            tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0, input_dim=1)
-            if tensor.dtype == torch.int8:
-                copy_rows(self.name, layer.weight.narrow(0, start, size), name, tensor, shard)
-                return
-            q, s = quantize_int8_per_channel(tensor.to(layer.weight.device))
-            copy_rows(self.name, layer.weight.narrow(0, start, size), name, q, shard)
-            layer.weight_scale[start:start + size] = s
-            return
-        if name == "weight_scale":  # [out], [out, 1] or a scalar
-            if tensor.dim() > 0 and tensor.shape[0] > 1:
-                tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0)
-            if tensor.numel() == 1:  # one scale for the whole tensor
-                t = tensor.reshape(1).expand(size)
-            else:
-                t = tensor.reshape(-1) if tensor.dim() == 2 and tensor.shape[1] == 1 else tensor
-            copy_rows(self.name, layer.weight_scale.narrow(0, start, size), name, t.float(),
-                      shard)
-            return
-        raise ValueError(f"int8: unexpected checkpoint tensor {name!r} (expected weight, "
-                         f"weight_scale, bias; static activation scales are not supported)")
+        load_per_channel(self.name, layer, name, tensor, shard, torch.int8,
+                         quantize_int8_per_channel)
 
     def load_dummy_weights(self, layer: LinearBase, generator: torch.Generator) -> None:
         load_dummy_per_channel(layer, generator, quantize_int8_per_channel)
@@ -115,10 +93,7 @@ class Int8Method(QuantMethod):
     def apply(self, layer: LinearBase, x):
         if x.is_cuda:  # two launches; the bias is added in fp32 in the GEMM's epilogue
             quant, gemm = _kernel_modules()
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            xq, xs = quant.per_token_quant(x2, torch.int8)
+            xq, xs = quant.per_token_quant(as_rows(x), torch.int8)
             out = gemm.int8_scaled_mm(xq, xs, layer.weight, layer.weight_scale, x.dtype,
                                       layer.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -172,68 +172,88 @@ def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
     return out
 
 
+def _time_candidates(candidates, run, ok) -> list[tuple[float, dict]]:
+    """[(ms, cfg)] fastest first for the configs whose result ``ok(run(cfg))`` accepts both
+    before and after the timed graph replays (which catches split-K counters left non-zero);
+    the others are printed and dropped."""
+    results = []
+    for cfg in candidates:
+        try:
+            if not ok(run(cfg)):
+                print(f"      WRONG {cfg}")
+                continue
+            ms = time_ms(lambda: run(cfg), rep=20)
+            if not ok(run(cfg)):
+                print(f"      WRONG after replays {cfg}")
+                continue
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+            print(f"      failed {type(e).__name__} {cfg}")
+            continue
+        results.append((ms, cfg))
+    return sorted(results, key=lambda r: r[0])
+
+
+def _tuned_table(kernel: str, tune_dir: str | None):
+    """(path, table): the table of ``kernel`` for this GPU in ``tune_dir`` as it stands (the
+    entries of row counts not tuned now are kept), or (None, {}) without a directory."""
+    from pagebatch.kernels import tuned
+
+    if not tune_dir:
+        return None, {}
+    path = tuned.config_path(kernel, tuned.device_name(DEV), tune_dir)
+    return path, json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_table(path, table) -> None:
+    """After each case: a run cut short still leaves what it measured."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"tuned table written to {path}", flush=True)
+
+
+def _rel_ok(ref, tol):
+    return lambda out: ((out.float() - ref).norm() / ref.norm()).item() < tol
+
+
 def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
     g128, 4 bits): each checked against the reference (also after its timed replays, which
     catches split-K counters left non-zero), the fastest kept per shape and M; written as the
     tuned table of core/kernels/tuned.py when ``tune_dir`` is given."""
-    from pagebatch.kernels import tuned
-
     print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
-    table: dict[str, dict[str, dict]] = {}
-    path = tuned.config_path("wna16", tuned.device_name(DEV), tune_dir) if tune_dir else None
-    if path is not None and path.is_file():  # keep the entries of row counts not tuned now
-        table = json.loads(path.read_text())
+    path, table = _tuned_table("wna16", tune_dir)
     bits = 4
     for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
         layer = make_layer("awq", k, n)
         gs = layer.wgroup_size
         args = (layer.qweight, layer.scales, layer.zeros, bits, gs, None)
-        key = kern.shape_key(bits, n, k, gs)
         x = torch.randn(m, k, device=DEV, dtype=DT)
-        ref = reference(layer, x)
 
-        def ok(cfg) -> bool:
-            out = kern.run_config(x, *args, cfg).float()
-            return ((out - ref).norm() / ref.norm()).item() < 2e-2
+        def run(cfg):
+            return kern.run_config(x, *args, cfg)
 
-        results = []
-        for cfg in _candidates(m, bits, gs):
-            try:
-                if not ok(cfg):
-                    print(f"      WRONG {cfg}")
-                    continue
-                ms = time_ms(lambda: kern.run_config(x, *args, cfg), rep=20)
-                if not ok(cfg):
-                    print(f"      WRONG after replays {cfg}")
-                    continue
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                print(f"      failed {type(e).__name__} {cfg}")
-                continue
-            results.append((ms, cfg))
-        results.sort(key=lambda r: r[0])
+        results = _time_candidates(_candidates(m, bits, gs), run,
+                                   _rel_ok(reference(layer, x), 2e-2))
         if not results:
             print(f"  {shape:8s} M={m:3d} no config ran")
             continue
         default = kern.pick_config(m, n, k, gs, False, DEV, bits)
-        t_default = time_ms(lambda: kern.run_config(x, *args, default))
-        best_ms, best = results[0]
-        t_best = time_ms(lambda: kern.run_config(x, *args, best))  # at the default rep
+        t_default = time_ms(lambda: run(default))
+        best = results[0][1]
+        t_best = time_ms(lambda: run(best))  # at the default rep
         wb = layer.qweight.numel() * 4 + 2 * layer.scales.numel() * 2
         print(f"  {shape:8s} M={m:3d} default {t_default * 1e3:7.1f}  best {t_best * 1e3:7.1f}"
               f" ({wb / t_best / 1e6:.0f} GB/s)  {best}", flush=True)
         for ms, cfg in results[1:3]:
             print(f"      {ms * 1e3:7.1f} {cfg}")
-        table.setdefault(key, {})[str(m)] = best
+        table.setdefault(kern.shape_key(bits, n, k, gs), {})[str(m)] = best
         ROWS.append(dict(group="tune", shape=shape, m=m, default_us=t_default * 1e3,
                          default=default, best_us=t_best * 1e3,
                          top=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
         layer = None
         torch.cuda.empty_cache()
-        if path is not None:  # after each case: a run cut short still leaves what it measured
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-            print(f"tuned table written to {path}", flush=True)
+        _write_table(path, table)
 
 
 DENSE_SHAPES = {  # (K, N) of the 16-bit linear layers and LM heads at batch-1 decode
@@ -249,44 +269,28 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
     the 8B and 1B shapes: every candidate checked against the reference before and after its
     timed replays; the fastest of all (cuBLAS included) kept per shape and M, written as the
     ``dense_gemv`` table that core/layers/dense.py reads."""
-    from pagebatch.kernels import tuned
     from pagebatch.kernels.gemv import gemv
     from pagebatch.layers.dense import gemv_key
 
     print("== 16-bit GEMV vs cuBLAS (us) ==", flush=True)
-    path = tuned.config_path("dense_gemv", tuned.device_name(DEV), tune_dir) if tune_dir else None
-    table: dict[str, dict[str, dict]] = {}
-    if path is not None and path.is_file():
-        table = json.loads(path.read_text())
+    path, table = _tuned_table("dense_gemv", tune_dir)
+    candidates = [dict(kernel="gemv", block_n=bn, block_k=bk, split_k=sk, num_warps=warps,
+                       num_stages=3)
+                  for bn, bk, sk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512),
+                                                             (1, 2, 4, 8), (4, 8))
+                  if bn * bk <= 16384]
     for m, (shape, (k, n)) in itertools.product(rows, DENSE_SHAPES.items()):
         w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
         x = torch.randn(m, k, device=DEV, dtype=DT)
-        ref = x.float() @ w.float().t()
 
-        def ok(cfg) -> bool:
-            out = gemv(x, w, None, **cfg).float()
-            return ((out - ref).norm() / ref.norm()).item() < 1e-2
+        def run(cfg):
+            if cfg["kernel"] == "cublas":
+                return F.linear(x, w)
+            return gemv(x, w, None, **{key: v for key, v in cfg.items() if key != "kernel"})
 
-        t_cublas = time_ms(lambda: F.linear(x, w), rep=20)
-        results = [(t_cublas, {"kernel": "cublas"})]
-        for bn, bk, sk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512),
-                                                   (1, 2, 4, 8), (4, 8)):
-            if bn * bk > 16384:
-                continue
-            cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=warps, num_stages=3)
-            try:
-                if not ok(cfg):
-                    print(f"      WRONG {cfg}")
-                    continue
-                ms = time_ms(lambda: gemv(x, w, None, **cfg), rep=20)
-                if not ok(cfg):
-                    print(f"      WRONG after replays {cfg}")
-                    continue
-            except Exception as e:  # noqa: BLE001 - e.g. out of resources
-                print(f"      failed {type(e).__name__} {cfg}")
-                continue
-            results.append((ms, {"kernel": "gemv", **cfg}))
-        results.sort(key=lambda r: r[0])
+        results = _time_candidates([{"kernel": "cublas"}, *candidates], run,
+                                   _rel_ok(x.float() @ w.float().t(), 1e-2))
+        t_cublas = next(ms for ms, cfg in results if cfg["kernel"] == "cublas")
         best_ms, best = results[0]
         wb = w.numel() * 2
         print(f"  {shape:11s} M={m:3d} cuBLAS {t_cublas * 1e3:7.1f} "
@@ -295,11 +299,9 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
         table.setdefault(gemv_key(n, k), {})[str(m)] = best
         ROWS.append(dict(group="tune_dense", shape=shape, m=m, cublas_us=t_cublas * 1e3,
                          best_us=best_ms * 1e3, best=best))
-        w = x = ref = None
+        w = x = None
         torch.cuda.empty_cache()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        _write_table(path, table)
 
 
 def main() -> int:

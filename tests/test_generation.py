@@ -417,15 +417,20 @@ def test_smollm2_prompt_logprobs(smollm2_llm):
     assert out.prompt_logprobs[ids.index(tok(" France")["input_ids"][0])] is not None
 
 
+def _run_to_end(engine, prompt_ids: list[int], sp: SamplingParams, request_id: str) -> None:
+    """Add one request and step the engine until nothing is left."""
+    engine.add_request({"prompt_token_ids": prompt_ids}, sp, request_id=request_id)
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
 def test_a_request_id_can_be_reused_at_once(tiny_llm):
     """The id of a request that just finished is taken by a new one before the core dropped
     the old one's sampling state: the new request keeps its own."""
     engine = tiny_llm.engine
     sp = SamplingParams(temperature=0.5, max_tokens=3, seed=1, ignore_eos=True,
                         frequency_penalty=1.0)
-    engine.add_request({"prompt_token_ids": [5, 6]}, sp, request_id="same")
-    while engine.has_unfinished_requests:
-        engine.step()
+    _run_to_end(engine, [5, 6], sp, "same")
     sp2 = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     engine.add_request({"prompt_token_ids": [7, 8]}, sp2, request_id="same")
     outs = []
@@ -442,19 +447,11 @@ def test_a_reused_id_whose_new_request_ends_at_once_leaves_no_state(tiny_llm):
     engine = tiny_llm.engine
     sp = SamplingParams(temperature=0.5, max_tokens=2, seed=1, ignore_eos=True,
                         repetition_penalty=1.2)
-    engine.add_request({"prompt_token_ids": [5, 6]}, sp, request_id="twice")
-    while engine.has_unfinished_requests:
-        engine.step()
+    _run_to_end(engine, [5, 6], sp, "twice")
     engine.add_request({"prompt_token_ids": [7, 8]}, sp, request_id="twice")
     engine.abort_request(["twice"])
-    engine.add_request({"prompt_token_ids": [9]}, SamplingParams(max_tokens=1),
-                       request_id="other")
-    while engine.has_unfinished_requests:
-        engine.step()
-    engine.add_request({"prompt_token_ids": [9]}, SamplingParams(max_tokens=1),
-                       request_id="last")  # a step that carries the finished ids
-    while engine.has_unfinished_requests:
-        engine.step()
+    _run_to_end(engine, [9], SamplingParams(max_tokens=1), "other")
+    _run_to_end(engine, [9], SamplingParams(max_tokens=1), "last")  # carries the finished ids
     states = engine.core.runner.sampling_states
     assert "twice" not in states and "other" not in states
 

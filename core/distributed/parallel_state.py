@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,8 +233,6 @@ def destroy_distributed(timeout_s: float = 15.0) -> bool:
     """Destroy the default process group, giving up after ``timeout_s`` (a NCCL group can
     wait forever on a peer or on resources still held; the process's exit frees them).
     Returns whether it was destroyed."""
-    import threading
-
     import torch.distributed as dist
 
     if not dist.is_initialized():

@@ -34,6 +34,7 @@ from .wna16_gemv import gemv_supported, wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
+_chosen: dict[tuple, dict] = {}  # wna16_matmul's pick_config result per shape and device
 
 
 @triton.jit
@@ -230,6 +231,8 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return x.new_empty(0, qweight.shape[1])
     if m >= dense_min_m:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
-    cfg = pick_config(m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
-                      bits)
+    key = (m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device, bits)
+    cfg = _chosen.get(key)
+    if cfg is None:  # first product of this shape: heuristics or the tuned table, once
+        cfg = _chosen[key] = pick_config(*key)
     return run_config(x, qweight, scales, zeros, bits, group_size, g_idx, cfg)
