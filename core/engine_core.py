@@ -181,7 +181,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   async_decode=self.executor.async_decode)
+                                   async_decode=self.executor.async_decode,
+                                   num_micro_batches=config.pipeline_parallel_size)
         self._times = EngineCoreStats()  # only its per-request time lists are used
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again

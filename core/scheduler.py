@@ -13,7 +13,8 @@ before the sampled tokens of this one are back. By default a request whose last 
 in flight is skipped; with ``async_decode`` its next decode is scheduled at once, the unknown
 input token given as `PLACEHOLDER_TOKEN` (the model runner fills it in on the device from the
 previous step's sampled ids), so that the CPU work of step N+1 overlaps the GPU work of step N
-(vLLM's async scheduling).
+(vLLM's async scheduling). With pipeline stages (``num_micro_batches`` > 1) each step takes
+only its share of the requests, so that the stages work on different micro-batches at once.
 """
 
 from __future__ import annotations
@@ -112,13 +113,17 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         enable_chunked_prefill: bool = False,
         async_decode: bool = False,
+        num_micro_batches: int = 1,
     ) -> None:
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_decode = async_decode
+        self.num_micro_batches = num_micro_batches
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
@@ -199,9 +204,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         scheduled_ids: set[str] = set()
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, scheduled_ids, preempted)
+        cap = self._step_seq_cap()
+        budget = self._schedule_running(budget, cap, scheduled, scheduled_ids, preempted)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budget, cap, scheduled)
         for sr in scheduled:
             req = self.requests[sr.request_id]
             req.num_computed_tokens += len(sr.token_ids)
@@ -211,6 +217,18 @@ class Scheduler:
         self._finished_ids = []
         self.stats.num_steps += 1
         return out
+
+    def _step_seq_cap(self) -> int:
+        """Sequences one step may hold. With ``num_micro_batches`` = k > 1 (pipeline stages, k
+        steps in flight) the requests split into k micro-batches of about equal size: a step
+        takes at most ceil(n / k) of the n requests that are or could be running, so that the
+        next step finds the others free (their tokens are not in flight) and the stages overlap
+        instead of passing one whole batch from stage to stage."""
+        k = self.num_micro_batches
+        if k == 1:
+            return self.max_num_seqs
+        n = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-n // k))
 
     def _to_compute(self, req: Request) -> int:
         """Tokens ``req`` could compute now: with async_decode, a token still being sampled
@@ -223,7 +241,7 @@ class Scheduler:
                 return 1
         return n
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
+    def _schedule_running(self, budget: int, cap: int, scheduled: list[ScheduledRequest],
                           scheduled_ids: set[str], preempted: list[str]) -> int:
         todo = [(r, self._to_compute(r)) for r in self.running]
         decodes = [(r, n) for r, n in todo if n == 1]
@@ -232,7 +250,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(want, budget)
-            if n == 0:
+            if n == 0 or len(scheduled) >= cap:
                 break
             while self._allocate(req, req.num_computed_tokens + n) is None:
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
@@ -251,13 +269,14 @@ class Scheduler:
     def _allocate(self, req: Request, num_tokens: int, hits=()) -> list[int] | None:
         return self.kv_cache.allocate_slots(req.request_id, num_tokens, hits, req.block_hashes)
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, cap: int,
+                          scheduled: list[ScheduledRequest]) -> None:
         if not self.waiting:
             return
         kv = self.kv_cache
         ctx = PolicyContext(now=self.clock(), kv_cache=kv)
         for req in list(self.policy.order_waiting(list(self.waiting), ctx)):
-            if len(self.running) >= self.max_num_seqs or budget == 0:
+            if len(self.running) >= self.max_num_seqs or budget == 0 or len(scheduled) >= cap:
                 break
             if kv.blocks_needed(req.request_id, req.num_tokens) > kv.num_blocks:
                 self._reject(req)  # could never fit: don't let it block the queue

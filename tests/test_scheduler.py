@@ -448,3 +448,34 @@ def test_property_random_add_step_abort(num_blocks, block_size, max_num_seqs, op
             assert r.finish_reason == FinishReason.ABORT
         else:
             assert (r.output_token_ids, r.finish_reason) == reference_outputs(r, default_next_token)
+
+
+def test_pipeline_micro_batches_split_the_running_requests_evenly():
+    """num_micro_batches=2 (two pipeline stages, two steps in flight): each step holds half of
+    the requests, and the step scheduled while the first is in flight holds the other half, so
+    the stages can work on both at once. One micro-batch holds them all."""
+    def run(k, n=7):
+        sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 1024,
+                          clock=lambda: 0.0, num_micro_batches=k)
+        for i in range(n):
+            sched.add_request(make_request(f"r{i}", 3, max_tokens=5, ignore_eos=True))
+        in_flight, sizes, groups = [], [], []
+        while sched.has_unfinished_requests:
+            while len(in_flight) < k:  # the engine core keeps k steps in flight
+                so = sched.schedule()
+                if so.is_empty:
+                    break
+                in_flight.append(so)
+                sizes.append(len(so.scheduled))
+                groups.append({sr.request_id for sr in so.scheduled})
+            so = in_flight.pop(0)
+            sched.update_from_output(so, {sr.request_id: 5 for sr in so.scheduled if sr.sample})
+        return sizes, groups
+
+    sizes, groups = run(2)
+    assert sizes == [4, 3] * 5  # ceil(7 / 2), then the rest; 5 tokens each
+    assert groups[0].isdisjoint(groups[1]) and groups[0] | groups[1] == {f"r{i}" for i in range(7)}
+    assert groups[2] == groups[0] and groups[3] == groups[1]
+    assert run(1)[0] == [7] * 5
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, num_micro_batches=0)
