@@ -4,7 +4,8 @@ weights (examples/configs/llama-3.1-8b):
 - decode: ``pagebatch bench latency`` (batch 1, 128 in / 256 out), tensor_parallel_size 1 vs 2;
   target TP=2 >= 1.5x TP=1 decode tokens/s;
 - throughput: ``pagebatch bench throughput`` (256 prompts x 512 in / 128 out), one GPU vs
-  pipeline_parallel_size 2; target PP=2 >= 1.5x.
+  pipeline_parallel_size 2; target PP=2 >= 1.5x. Two timed runs each (the faster reported,
+  both in the JSON's ``elapsed_each_s``).
 
 Each configuration runs in its own process (``python3 -m pagebatch.cli bench ... --output``);
 JSON results go to $OUT (default /tmp/out) and a table is printed last.
@@ -28,10 +29,10 @@ RUNS = {  # name: (bench kind, engine and workload arguments)
     "tp2": ("latency", ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256",
                         "--num-iters", "3", "--tensor-parallel-size", "2"]),
     "pp1": ("throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "128",
-                           "--max-num-batched-tokens", "16384"]),
+                           "--max-num-batched-tokens", "16384", "--num-iters", "2"]),
     "pp2": ("throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "128",
-                           "--max-num-batched-tokens", "16384", "--pipeline-parallel-size",
-                           "2"]),
+                           "--max-num-batched-tokens", "16384", "--num-iters", "2",
+                           "--pipeline-parallel-size", "2"]),
 }
 
 

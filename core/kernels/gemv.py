@@ -20,7 +20,7 @@ import triton.language as tl
 from .splitk import launch_buffers, splitk_store
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

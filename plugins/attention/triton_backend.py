@@ -146,10 +146,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block_h = min(_next_pow2(hq), 16 if d_pad <= 128 else 8)
-        tk.reduce_splits_kernel[(t, -(-hq // block_h))](
+        tk.reduce_splits_kernel[(t, hq)](
             out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
-            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, BLOCK_H=block_h, num_warps=4)
+            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
+            num_warps=4)
     return out
 
 

@@ -14,7 +14,7 @@ request times the ``G = num_heads / num_kv_heads`` query heads that share one kv
 of request ``i`` exists for ``query_start_loc[i] // BLOCK_Q + i <= p``; a binary search over
 ``query_start_loc`` finds ``i`` on the device (no host work per step). With ``NUM_SPLITS > 1``
 the context is cut into that many ranges (Flash-Decoding, Dao et al. 2023) and each program
-writes an unnormalised partial result that ``_reduce_splits`` merges.
+writes an unnormalised partial result that ``reduce_splits_kernel`` merges.
 
 fp8 KV cache (float8_e4m3fn, core/attention.py): ``write_kv_kernel`` stores ``x / scale``
 clamped to +-448 and rounded to e4m3; the attention kernel converts loaded K/V tiles to the
@@ -25,6 +25,11 @@ end, so the inner loop does no extra multiply. Other caches pass scales of 1.0.
 Masking: keys at positions ``>= seq_len`` are loaded as 0 (the cache there may hold NaN) and
 scored ``-inf``; row maxima start at a finite ``-1e30`` so that a row with no key in a tile or a
 split never computes ``inf - inf``.
+
+Recompiles: Triton specializes integer arguments on their value (== 1, divisible by 16) and
+compiles a variant per combination; the counts that change from step to step (``num_seqs``,
+``num_q_blocks``, the block table's row stride) are marked ``do_not_specialize``, so a batch of
+a new size does not stop the engine for a compile (the GEMM kernels' ``M`` likewise).
 
 Import this module only where Triton is wanted: ``TRITON_INTERPRET=1`` is read when the kernels
 are decorated, at import.
@@ -127,7 +132,7 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_ml_ptr,
@@ -218,29 +223,25 @@ def paged_attention_kernel(
 def reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
-    """Grid (num_tokens, cdiv(num_heads, BLOCK_H)): merges the NUM_SPLITS partial softmaxes of
-    BLOCK_H heads of one token."""
+    """Grid (num_tokens, num_heads): merges the NUM_SPLITS partial softmaxes of one head of one
+    token, all splits loaded at once (no chain of dependent loads: a decode step's few tokens
+    give few programs, each must finish quickly)."""
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    h_ok = offs_h < num_heads
-    row0 = (t * num_heads + offs_h) * NUM_SPLITS
-    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (row0 + s) * 2, mask=h_ok, other=-1.0e30)
-        l_s = tl.load(part_ml_ptr + (row0 + s) * 2 + 1, mask=h_ok, other=0.0)
-        a_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                      mask=h_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        l = l * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    s_ok = offs_s < NUM_SPLITS
+    row = (t * num_heads + h) * NUM_SPLITS + offs_s
+    m_s = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=-1.0e30)
+    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    a_s = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                  mask=s_ok[:, None], other=0.0)
+    m = tl.max(m_s, 0)
+    w = tl.math.exp2(m_s - m)  # empty splits: m_s = -1e30, l_s = 0, acc 0
+    l = tl.sum(l_s * w, 0)
+    acc = tl.sum(a_s * w[:, None], 0)
+    out = acc / tl.where(l > 0, l, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)

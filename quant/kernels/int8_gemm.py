@@ -23,7 +23,7 @@ import triton.language as tl
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                       stride_am, stride_bn, stride_cm,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -37,7 +37,7 @@ DECODE_MAX_M = 16
 _chosen: dict[tuple, dict] = {}  # wna16_matmul's pick_config result per shape and device
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _wna16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_size,
                        stride_xm, stride_qk, stride_sg, stride_om,
                        BITS: tl.constexpr, GROUP_MODE: tl.constexpr, SPLIT_K: tl.constexpr,

@@ -39,7 +39,7 @@ def _field(w, BITS: tl.constexpr, OFF: tl.constexpr):
     return ((w & mask) | expo).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                        M, N, K, group_size, stride_xm, stride_qk, stride_sg, stride_om,
                        BITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
