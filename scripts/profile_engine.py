@@ -6,7 +6,9 @@
 
 --decode-only measures steps after every request has its first token (issue 7's T6: GPU busy
 time at batch 256 decode). Busy = kernel time of --steps profiled steps over the wall time of
---steps steps run just before without the profiler."""
+--steps steps run just before without the profiler. With tensor or pipeline parallelism this
+profiles the driver (rank 0); PAGEBATCH_TRACE_STEPS=FIRST:LAST and PAGEBATCH_TRACE_DIR in the
+environment trace the other ranks (core/distributed/step_trace.py)."""
 
 from __future__ import annotations
 

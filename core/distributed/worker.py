@@ -43,6 +43,7 @@ from ..registry import registry
 from . import step_codec
 from .comm import all_reduce_min
 from .parallel_state import init_distributed, resolve_backend, torchrun_env
+from .step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +93,13 @@ class Worker:
         only launches each step (its samples stay on the device, where the next step's
         placeholder tokens are filled from them); the last launched step is kept referenced."""
         runner = self.runner
+        trace = StepTrace(self.rank)  # PAGEBATCH_TRACE_STEPS, _DIR: see step_trace.py
         while True:
             msg = self.decoder.decode(self.recv_step())
             if msg.kind == step_codec.SHUTDOWN:
+                trace.finish()
                 return
+            trace.before_step()
             for rid, state in msg.new_states:
                 runner.add_request_state(rid, state)
             if not self.sends_results:

@@ -1,0 +1,29 @@
+"""Triton compiles a kernel variant per combination of its integer arguments' properties (== 1,
+divisible by 16). Counts that change from step to step must be ``do_not_specialize``: on the
+H200 a pipeline-parallel throughput run spent seconds compiling such variants inside the timed
+run (docs/benchmarks.md, session 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _kernels():
+    from pagebatch.kernels import gemv
+    from pagebatch.plugins.attention import triton_kernels as attn
+    from pagebatch.quant.kernels import int8_gemm, wna16, wna16_gemv
+
+    return [
+        (attn.paged_attention_kernel, {"num_seqs", "num_q_blocks", "stride_bt"}),
+        (gemv._gemv_kernel, {"M"}),
+        (int8_gemm._int8_gemm_kernel, {"M"}),
+        (wna16._wna16_gemm_kernel, {"M"}),
+        (wna16_gemv._wna16_gemv_kernel, {"M"}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_step_varying_counts_are_not_specialized(index):
+    kernel, names = _kernels()[index]
+    flagged = {p.name for p in kernel.params if p.do_not_specialize}
+    assert names <= flagged, f"{kernel.fn.__name__}: {sorted(names - flagged)} specialized"
