@@ -210,6 +210,11 @@ class EngineConfig:
     pipeline_parallel_size: int = _opt("pipeline_parallel_size", 1,
                                        "Pipeline stages the layers are split into.",
                                        parse_int(1))
+    pipeline_micro_batches: int | None = _opt(
+        "pipeline_micro_batches", None,
+        "Steps in flight with pipeline stages, each holding its share of the requests "
+        "(default: pipeline_parallel_size); more hide the round trip of each step's sampled "
+        "tokens back to the first stage, with smaller micro-batches.", _optional(parse_int(1)))
     distributed_backend: str = _opt("distributed_backend", "auto",
                                     "torch.distributed backend: auto = nccl on cuda, gloo on "
                                     "cpu.", _choice(DIST_BACKENDS), choices=DIST_BACKENDS)
@@ -286,6 +291,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Cross-key checks; raises ConfigError."""
+        mb, pp = self.pipeline_micro_batches, self.pipeline_parallel_size
+        if mb is not None and (pp == 1 or mb < pp):
+            raise ConfigError(f"pipeline_micro_batches={mb} needs pipeline_parallel_size > 1 "
+                              f"and at least one micro-batch per stage "
+                              f"(pipeline_parallel_size={pp})")
         if self.max_num_batched_tokens is not None and self.max_model_len is not None:
             check_token_budget(self.max_num_batched_tokens, self.max_model_len,
                                self.enable_chunked_prefill)

@@ -182,7 +182,9 @@ class EngineCore:
                                    max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    async_decode=self.executor.async_decode,
-                                   num_micro_batches=config.pipeline_parallel_size)
+                                   num_micro_batches=(self._max_in_flight
+                                                      if config.pipeline_parallel_size > 1
+                                                      else 1))
         self._times = EngineCoreStats()  # only its per-request time lists are used
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again

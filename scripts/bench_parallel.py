@@ -10,7 +10,7 @@ weights (examples/configs/llama-3.1-8b):
 Each configuration runs in its own process (``python3 -m pagebatch.cli bench ... --output``);
 JSON results go to $OUT (default /tmp/out) and a table is printed last.
 
-    python3 scripts/bench_parallel.py [--only tp1,tp2,pp1,pp2] [--eager] [--timeout S]
+    python3 scripts/bench_parallel.py [--only tp1,tp2,pp1,pp2,pp2mb3] [--eager] [--timeout S]
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ RUNS = {  # name: (bench kind, engine and workload arguments)
     "pp2": ("throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "128",
                            "--max-num-batched-tokens", "16384", "--num-iters", "2",
                            "--pipeline-parallel-size", "2"]),
+    "pp2mb3": ("throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len",
+                              "128", "--max-num-batched-tokens", "16384", "--num-iters", "2",
+                              "--pipeline-parallel-size", "2", "--pipeline-micro-batches", "3"]),
 }
 
 
@@ -78,7 +81,8 @@ def main() -> int:
     rows = [("tp1", "decode tok/s, batch 1, 1 GPU", "decode_tok_s"),
             ("tp2", "decode tok/s, batch 1, TP=2", "decode_tok_s"),
             ("pp1", "output tok/s, 256x512/128, 1 GPU", "output_tok_s"),
-            ("pp2", "output tok/s, 256x512/128, PP=2", "output_tok_s")]
+            ("pp2", "output tok/s, 256x512/128, PP=2", "output_tok_s"),
+            ("pp2mb3", "same, PP=2, 3 micro-batches", "output_tok_s")]
     for name, what, key in rows:
         if name in results:
             v = val(name, key)
@@ -86,7 +90,8 @@ def main() -> int:
             print(f"{name:<6}{what:<34}{(f'{v:.1f}' if v else 'failed'):>12}"
                   f"{r.get('startup_s', float('nan')):>11.1f}{r.get('wall_s', float('nan')):>9.1f}")
     for a, b, key, label in (("tp2", "tp1", "decode_tok_s", "TP=2 / TP=1 decode"),
-                             ("pp2", "pp1", "output_tok_s", "PP=2 / 1 GPU throughput")):
+                             ("pp2", "pp1", "output_tok_s", "PP=2 / 1 GPU throughput"),
+                             ("pp2mb3", "pp1", "output_tok_s", "PP=2 (3 micro-batches) / 1 GPU")):
         if val(a, key) and val(b, key):
             ratio = val(a, key) / val(b, key)
             print(f"{label}: {ratio:.2f}x (target >= 1.5x: {'met' if ratio >= 1.5 else 'NOT met'})")

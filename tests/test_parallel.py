@@ -28,9 +28,10 @@ from tiny import engine_config
 ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=40, block_size=4,
                    max_model_len=128, max_num_batched_tokens=24, max_num_seqs=8)
 MAX_TOKENS = 12
-# (tensor_parallel_size, pipeline_parallel_size, async_scheduling): TP with asynchronous
-# scheduling (every rank fills in the decodes' input tokens from its own samples)
-LAYOUTS = [(2, 1, True), (1, 2, False), (2, 2, False)]
+# (tensor_parallel_size, pipeline_parallel_size, async_scheduling, pipeline_micro_batches): TP
+# with asynchronous scheduling (every rank fills in the decodes' input tokens from its own
+# samples); TP x PP with one micro-batch more than stages
+LAYOUTS = [(2, 1, True, None), (1, 2, False, None), (2, 2, False, 3)]
 
 tiny_config = partial(engine_config, keys=ENGINE_KEYS)
 
@@ -97,16 +98,17 @@ def reference(tiny_model_dir):
 
 
 @pytest.fixture(scope="module", params=LAYOUTS,
-                ids=lambda p: f"tp{p[0]}-pp{p[1]}" + ("-async" if p[2] else ""))
+                ids=lambda p: f"tp{p[0]}-pp{p[1]}" + ("-async" if p[2] else "")
+                + (f"-mb{p[3]}" if p[3] else ""))
 def parallel_core(request, tiny_model_dir):
-    tp, pp, asynchronous = request.param
+    tp, pp, asynchronous, micro_batches = request.param
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with one_thread_children():
             core = EngineCore.from_config(tiny_config(
                 tiny_model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                async_scheduling=asynchronous))
+                async_scheduling=asynchronous, pipeline_micro_batches=micro_batches))
         yield core
         core.shutdown()
     finally:
@@ -127,9 +129,14 @@ def test_parallel_greedy_equals_single_rank(parallel_core, reference):
         assert n == MAX_TOKENS and len(lps[rid]) == n
         if tokens[rid] == ref_tokens[rid]:
             assert torch.allclose(torch.tensor(lps[rid]), torch.tensor(ref_lps[rid]), atol=1e-3)
-    # pipeline stages overlap: as many steps in flight as stages (asynchronous scheduling: 2)
+    # pipeline stages overlap: as many steps in flight as micro-batches (default: one per
+    # stage; asynchronous scheduling: 2)
+    cfg = core.config
     assert in_flight == core.executor.max_concurrent_batches == max(
-        core.config.pipeline_parallel_size, 2 if core.config.async_scheduling else 1)
+        cfg.pipeline_micro_batches or cfg.pipeline_parallel_size,
+        2 if cfg.async_scheduling else 1)
+    assert core.scheduler.num_micro_batches == (in_flight if cfg.pipeline_parallel_size > 1
+                                                else 1)
 
 
 def test_parallel_runs_again_with_abort(parallel_core, reference):
@@ -275,3 +282,10 @@ def test_shm_ring_chunks_and_wraps():
 
 def _raise_timeout() -> None:
     raise TimeoutError
+
+
+def test_pipeline_micro_batches_are_checked(tiny_model_dir):
+    for keys in (dict(pipeline_micro_batches=2),  # one stage
+                 dict(pipeline_parallel_size=2, pipeline_micro_batches=1)):  # fewer than stages
+        with pytest.raises(ConfigError, match="pipeline_micro_batches"):
+            tiny_config(tiny_model_dir, **keys)

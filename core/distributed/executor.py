@@ -77,7 +77,8 @@ class MultiprocExecutor(Executor):
         # placeholders for tokens still being sampled need the sampled ids on every rank: one
         # stage only (pipeline stages before the last never see them)
         self.async_decode = async_scheduling(config) and pp == 1
-        self.max_concurrent_batches = pp if pp > 1 else 2 if self.async_decode else 1
+        self.max_concurrent_batches = ((config.pipeline_micro_batches or pp) if pp > 1
+                                       else 2 if self.async_decode else 1)
         self.group = WorkerGroup(self.world, self._fail)
         self._dead: str | None = None
         self._lock = threading.Lock()
