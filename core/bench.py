@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from .config import EngineConfig
+from .errors import ConfigError
 
 
 def weight_bytes(model) -> int:
@@ -36,6 +37,20 @@ def weight_bytes(model) -> int:
     return total
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag and exits 2)."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+
+    return parse
+
+
 def add_bench_parser(sub, add_engine_args, func) -> None:
     b = sub.add_parser("bench", help="offline throughput / latency benchmarks; serve: "
                        "load-test a server")
@@ -43,19 +58,19 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
     for kind in ("throughput", "latency"):
         p = bsub.add_parser(kind)
         add_engine_args(p)
-        p.add_argument("--num-prompts", type=int, default=16 if kind == "throughput" else 1)
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=64)
-        p.add_argument("--input-len-min", type=int, default=None,
+        p.add_argument("--num-prompts", type=_at_least(1), default=16 if kind == "throughput" else 1)
+        p.add_argument("--input-len", type=_at_least(1), default=128)
+        p.add_argument("--output-len", type=_at_least(1), default=64)
+        p.add_argument("--input-len-min", type=_at_least(1), default=None,
                        help="input lengths uniform in [this, --input-len] (default: fixed)")
-        p.add_argument("--output-len-min", type=int, default=None,
+        p.add_argument("--output-len-min", type=_at_least(1), default=None,
                        help="output lengths uniform in [this, --output-len] (default: fixed)")
         p.add_argument("--preset", choices=["nanovllm"], default=None,
                        help="a named workload (overrides prompts and lengths)")
-        p.add_argument("--num-iters", type=int, default=1 if kind == "throughput" else 3)
+        p.add_argument("--num-iters", type=_at_least(1), default=1 if kind == "throughput" else 3)
         p.add_argument("--compare", choices=["hf"], default=None,
                        help="also run transformers generate on the same workload")
-        p.add_argument("--hf-batch-size", type=int, default=None,
+        p.add_argument("--hf-batch-size", type=_at_least(1), default=None,
                        help="transformers static batch size (default: all prompts at once)")
         p.add_argument("--output", metavar="JSON", help="write results as JSON")
         p.set_defaults(func=func)
@@ -82,6 +97,9 @@ def make_workload(args: argparse.Namespace, vocab: int,
     hi = min(vocab, 10000) - 1
     in_lo = args.input_len_min or args.input_len
     out_lo = args.output_len_min or args.output_len
+    for flag, lo, top in (("input", in_lo, args.input_len), ("output", out_lo, args.output_len)):
+        if lo > top:
+            raise ConfigError(f"--{flag}-len-min={lo} is above --{flag}-len={top}")
     prompts = [[rng.randint(100, hi) for _ in range(rng.randint(in_lo, args.input_len))]
                for _ in range(args.num_prompts)]
     return prompts, [rng.randint(out_lo, args.output_len) for _ in prompts]

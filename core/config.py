@@ -53,13 +53,15 @@ def parse_bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def parse_int(minimum: int | None = None) -> Callable[[Any], int]:
+def parse_int(minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
     def parse(v: Any) -> int:
         if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError("expected an integer")
         n = int(v)
         if minimum is not None and n < minimum:
             raise ValueError(f"must be >= {minimum}")
+        if maximum is not None and n > maximum:
+            raise ValueError(f"must be <= {maximum}")
         return n
 
     return parse

@@ -31,7 +31,7 @@ from .errors import EngineDeadError
 from .registry import Registry
 
 POLL_S = 0.5  # longest wait on the core's pipe between liveness checks
-SHUTDOWN_TIMEOUT_S = 5.0  # graceful stop, then SIGTERM, then SIGKILL
+SHUTDOWN_TIMEOUT_S = 5.0  # graceful stop, then SIGKILL
 
 
 class EngineCoreClient(ABC):
@@ -224,7 +224,8 @@ class MPClient(EngineCoreClient):
 
 
 def _stop_process(proc: Any, to_core: Any, from_core: Any, owner_pid: int) -> None:
-    """Stop the core process (EngineCoreShutdown, then SIGTERM, then SIGKILL) and reap it."""
+    """Stop the core process (EngineCoreShutdown, then SIGKILL: it ignores SIGTERM) and reap
+    it."""
     if os.getpid() != owner_pid:  # a forked copy of the front half at exit: not its child
         return
     if proc.is_alive():
@@ -233,9 +234,6 @@ def _stop_process(proc: Any, to_core: Any, from_core: Any, owner_pid: int) -> No
         except (OSError, ValueError):
             pass
         proc.join(SHUTDOWN_TIMEOUT_S)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(2.0)
     if proc.is_alive():
         proc.kill()
         proc.join()

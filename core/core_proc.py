@@ -98,7 +98,11 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
     ``ready`` or the startup error, then runs the busy loop until shut down. ``log_level`` is
     the front half's level for the ``pagebatch`` loggers.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front half's to handle
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `kill -- -PGID`), are
+    # the front half's to handle: it drains, then stops this process (EngineCoreShutdown, else
+    # SIGKILL); this process also exits when the front half is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     logging.getLogger("pagebatch").setLevel(log_level)
     try:

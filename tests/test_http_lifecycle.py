@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import threading
@@ -254,6 +255,34 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model_dir, tmp_path):
         assert time.monotonic() - t0 < timeout_s + 10
         for child in children:
             assert wait_gone(child.pid, 10), f"child {child.pid} left running"
+
+
+def test_sigterm_to_the_process_group_drains_and_exits_cleanly(tiny_model_dir, tmp_path):
+    """systemd and `kill -- -PGID` send SIGTERM to the server and its engine core at once: the
+    core ignores it, the server drains (a stream in flight runs to its end) and exits 0, and
+    nothing says the engine core died (it used to, racing the server's own handler)."""
+    psutil = pytest.importorskip("psutil")
+    from procs import wait_gone
+
+    args = [str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len",
+            "256", "--num-kv-blocks", "512", "--block-size", "4", "--shutdown-timeout", "20"]
+    log_path = tmp_path / "serve.log"
+    with serve_process(args, log_path, step_s=0.05) as (proc, base):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        events: list = []
+        t = threading.Thread(target=_stream, daemon=True, args=(base, {
+            "prompt": "w5 w6", "max_tokens": 20, "ignore_eos": True, "stream": True}, events))
+        t.start()
+        _wait_for(lambda: events)
+        os.killpg(proc.pid, signal.SIGTERM)
+        t.join(30)
+        assert not t.is_alive()
+        reasons, texts = _choices(events)
+        assert reasons == {0: "length"} and len(texts[0].split()) == 20
+        assert proc.wait(30) == 0, log_path.read_text()[-3000:]
+        for child in children:
+            assert wait_gone(child.pid, 10), f"child {child.pid} left running"
+    assert "engine core died" not in log_path.read_text()
 
 
 # ---- a dead engine core ------------------------------------------------------------------------

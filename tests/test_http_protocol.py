@@ -168,3 +168,15 @@ def test_serve_options_from_cli_and_file(tmp_path, tiny_model_dir):
     s = Settings.from_config(_config_from_args(args))
     assert (s.port, s.host, s.api_key) == (9002, "127.0.0.1", "k")  # CLI > file > defaults
     assert s.shutdown_timeout == 2.5 and s.allowed_origins == []
+
+
+def test_port_and_bench_counts_are_range_checked(tiny_model_dir, capsys):
+    """A port above 65535 is a config error naming the limit (it was a bind() traceback);
+    `bench --num-prompts 0` is refused by argparse (it was a traceback after loading)."""
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--port", "99999"])
+    with pytest.raises(ConfigError, match="port.*99999.*<= 65535"):
+        _config_from_args(args)
+    for flag in ("--num-prompts", "--output-len", "--num-iters"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "throughput", str(tiny_model_dir), flag, "0"])
+        assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err

@@ -7,6 +7,7 @@ Metrics: test_http_metrics.py; disconnects, SIGTERM, a dead core: test_http_life
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -289,6 +290,12 @@ def test_concurrent_streams_match_solo(base):
 
 # ---- errors ------------------------------------------------------------------------------------
 
+def _post(http, path, body):
+    """POST ``body`` as JSON with non-ASCII escaped (httpx's encoder refuses lone surrogates)."""
+    return http.post(path, content=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": PROMPT, "temperature": -1}, None),
     ({"prompt": PROMPT, "max_tokens": 500}, None),  # context length
@@ -315,10 +322,17 @@ def test_concurrent_streams_match_solo(base):
     ({"prompt": PROMPT, "seed": "x"}, None),
     ({"prompt": PROMPT, "stop": [""]}, None),
     ({"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
+    # booleans are true or false (bool("false") is True), text is valid Unicode
+    ({"prompt": PROMPT, "echo": "false"}, "echo"),
+    ({"prompt": PROMPT, "ignore_eos": "no"}, "ignore_eos"),
+    ({"prompt": PROMPT, "skip_special_tokens": 1}, "skip_special_tokens"),
+    ({"prompt": PROMPT, "include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+    ({"prompt": "\ud800 w5", "max_tokens": 2}, "prompt"),  # a lone surrogate
+    ({"prompt": ["w5", "w6 \udfff"], "max_tokens": 2}, "prompt[1]"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_input_errors_are_400(http, body, param, stream):
-    r = http.post("/v1/completions", json={"model": MODEL, **body, "stream": stream})
+    r = _post(http, "/v1/completions", {"model": MODEL, **body, "stream": stream})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -342,10 +356,12 @@ def test_completion_input_errors_are_400(http, body, param, stream):
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": "w4"},
+    {"messages": [{"role": "user", "content": "w4 \ud800"}]},
+    {"messages": [{"role": "user", "content": "w4"}], "echo": "false"},
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_input_errors_are_400(http, body, stream):
-    r = http.post("/v1/chat/completions", json={"model": MODEL, **body, "stream": stream})
+    r = _post(http, "/v1/chat/completions", {"model": MODEL, **body, "stream": stream})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -361,9 +377,23 @@ def test_stream_options_without_stream_is_400(http):
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
+def test_stream_flags_are_booleans(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": "false"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True,
+                                           "stream_options": {"include_usage": "x"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream_options.include_usage"
+
+
 def test_bad_bodies(http):
     r = http.post("/v1/completions", content=b"{not json")
     assert r.status_code == 400
+    deep = b'{"prompt": ' + b"[" * 6000 + b"]" * 6000 + b"}"  # RecursionError in json.loads
+    r = http.post("/v1/completions", content=deep)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    r = _post(http, "/tokenize", {"model": MODEL, "prompt": "\ud800"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert http.post("/v1/completions", json=[1, 2]).status_code == 400
     r = http.post("/v1/completions", json={"prompt": "w5 " * 8000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -131,7 +131,11 @@ def run_spawned_worker(rank: int, config: EngineConfig, init_method: str, ring_h
     """Main of a worker process the engine core spawned on its host."""
     from .shm_ring import ShmRingBuffer
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front half's to handle
+    # Ctrl-C and a process-group SIGTERM are the front half's to handle (it drains first); the
+    # engine core stops this process (shutdown message, else SIGKILL), or it exits when the
+    # core is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _setup_logging(rank, log_level)
     ring = ShmRingBuffer.attach(ring_handle, rank - 1)
 

@@ -204,7 +204,7 @@ class WorkerGroup:
             if w.proc is None:
                 w.conn.close()
             elif w.proc.is_alive():
-                w.proc.terminate()
+                w.proc.kill()  # (spawned workers ignore SIGTERM: the front half's to handle)
 
     def stop(self, shutdown_message: bytes | None) -> None:
         """Send ``shutdown_message`` (when given), then join, terminate or kill the spawned
@@ -224,9 +224,6 @@ class WorkerGroup:
         for w in self.workers.values():
             if w.proc is not None:
                 w.proc.join(5.0)
-                if w.proc.is_alive():
-                    w.proc.terminate()
-                    w.proc.join(2.0)
                 if w.proc.is_alive():
                     w.proc.kill()
                     w.proc.join()

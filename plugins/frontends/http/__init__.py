@@ -39,7 +39,7 @@ def _parse_seconds(v: Any) -> float:
 
 OPTIONS = [
     ConfigOption("host", "127.0.0.1", "address the HTTP server listens on", str),
-    ConfigOption("port", 8000, "TCP port the HTTP server listens on", parse_int(0)),
+    ConfigOption("port", 8000, "TCP port the HTTP server listens on", parse_int(0, 65535)),
     ConfigOption("api_key", None, "key clients must send as 'Authorization: Bearer KEY' on "
                  "/v1/* (default: $PAGEBATCH_API_KEY; none = no check)", _parse_optional_str),
     ConfigOption("served_model_name", None, "model name the API answers to (default: the "

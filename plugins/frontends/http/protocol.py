@@ -67,6 +67,28 @@ def _opt(body: dict[str, Any], name: str, default: Any) -> Any:
     return default if v is None else v
 
 
+def flag(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
+    """A boolean field: true, false, or absent / null (``default``). Anything else is a 400
+    (``bool("false")`` would be True)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{param or name} must be true or false, got {v!r:.50}", param or name)
+    return v
+
+
+def check_text(s: str, param: str) -> str:
+    """``s`` unchanged when it is valid Unicode text; a 400 for a lone surrogate (JSON allows
+    ``"\\ud800"``; the tokenizer cannot encode it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{param} is not valid Unicode text: a lone surrogate "
+                  f"{s[e.start]!r} at character {e.start}", param) from None
+    return s
+
+
 # Fields the model's generation_config.json fills in when a request leaves them unset (vLLM's
 # ``--generation-config auto``); its max_new_tokens (our max_tokens) caps max_tokens, as in vLLM.
 MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -102,9 +124,9 @@ def sampling_params(body: dict[str, Any], max_tokens: Any, logprobs: int | None,
         logit_bias=_int_keys(body.get("logit_bias")), max_tokens=max_tokens,
         min_tokens=_opt(body, "min_tokens", 0), stop=body.get("stop"),
         stop_token_ids=stop_ids,
-        include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
-        ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs,
-        seed=body.get("seed"), skip_special_tokens=bool(body.get("skip_special_tokens", True)))
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
+        ignore_eos=flag(body, "ignore_eos", False), logprobs=logprobs,
+        seed=body.get("seed"), skip_special_tokens=flag(body, "skip_special_tokens", True))
 
 
 def _check_priority_and_salt(body: dict[str, Any]) -> tuple[int, str | None]:
@@ -132,7 +154,7 @@ def completion_request(body: dict[str, Any], max_prompts: int, max_n: int,
     priority, salt = _check_priority_and_salt(body)
     if salt is not None:
         prompts = [{**p, "cache_salt": salt} for p in prompts]
-    echo = bool(body.get("echo", False))
+    echo = flag(body, "echo", False)
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise bad(f"logprobs must be an integer (the number of top tokens), got {logprobs!r}",
@@ -157,13 +179,13 @@ def _prompts(prompt: Any, max_prompts: int) -> list[dict[str, Any]]:
             isinstance(t, int) and not isinstance(t, bool) for t in x)
 
     if isinstance(prompt, str):
-        out = [{"prompt": prompt}]
+        out = [{"prompt": check_text(prompt, "prompt")}]
     elif is_ids(prompt):
         out = [{"prompt_token_ids": prompt}]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p)
                                                      for p in prompt):
-        out = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
-               for p in prompt]
+        out = [{"prompt": check_text(p, f"prompt[{i}]")} if isinstance(p, str)
+               else {"prompt_token_ids": p} for i, p in enumerate(prompt)]
     else:
         raise bad("prompt must be a string, a list of strings, a list of token ids or a list "
                   f"of token-id lists (non-empty), got {prompt!r:.100}", "prompt")
@@ -174,11 +196,11 @@ def _prompts(prompt: Any, max_prompts: int) -> list[dict[str, Any]]:
 
 
 def _stream_opts(body: dict[str, Any]) -> dict[str, Any]:
-    stream = bool(body.get("stream", False))
+    stream = flag(body, "stream", False)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise bad("stream_options must be an object", "stream_options")
-    include_usage = bool((so or {}).get("include_usage", False))
+    include_usage = flag(so or {}, "include_usage", False, "stream_options.include_usage")
     if so and not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     return dict(stream=stream, include_usage=include_usage)
@@ -194,7 +216,7 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     if rf is not None and rf != {"type": "text"}:
         raise bad("response_format other than {'type': 'text'} is not supported (no "
                   "structured output in this version)", "response_format")
-    if body.get("echo"):
+    if flag(body, "echo", False):
         raise bad("echo is not supported for chat completions", "echo")
     messages = _messages(body.get("messages"))
     priority, salt = _check_priority_and_salt(body)
@@ -238,7 +260,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts",
                       "messages")
-        out.append({**m, "content": content})
+        out.append({**m, "content": check_text(content, f"messages[{i}].content")})
     return out
 
 

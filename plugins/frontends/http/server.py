@@ -153,6 +153,8 @@ class Server:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise proto.bad(f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise proto.bad("request body is nested too deeply to parse") from None
         if not isinstance(body, dict):
             raise proto.bad("request body must be a JSON object")
         return body
@@ -198,8 +200,9 @@ class Server:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise proto.bad("prompt must be a string (or give messages)", "prompt")
-                ids = self.tokenizer(prompt, add_special_tokens=bool(
-                    body.get("add_special_tokens", True)))["input_ids"]
+                special = proto.flag(body, "add_special_tokens", True)
+                ids = self.tokenizer(proto.check_text(prompt, "prompt"),
+                                     add_special_tokens=special)["input_ids"]
         except Exception as e:
             return error_response(as_api_error(e))
         return JSONResponse({"tokens": ids, "count": len(ids),
