@@ -40,7 +40,11 @@ class ContextLengthError(InvalidRequestError):
 
 
 class SamplingParamsError(InvalidRequestError):
-    """A sampling parameter is out of range."""
+    """A sampling parameter is out of range; ``param`` names it (an HTTP error's "param")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidTokenError(InvalidRequestError):

@@ -76,29 +76,30 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, limit: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name}={getattr(self, name)!r} is invalid: {limit}")
+            return SamplingParamsError(f"{name}={getattr(self, name)!r} is invalid: {limit}",
+                                       name)
 
         if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not (_is_number(self.temperature) and self.temperature >= 0.0):  # rejects NaN, inf
             raise bad("temperature", "must be a finite number >= 0")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]")
+            raise bad("top_p", "must be a number in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be -1, 0 (off) or >= 1")
         if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be in [0, 1]")
+            raise bad("min_p", "must be a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (_is_number(v) and -2.0 <= v <= 2.0):
-                raise bad(name, "must be in [-2, 2]")
+                raise bad(name, "must be a number in [-2, 2]")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0):
             raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
         self._validate_logit_bias()
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be >= 1")
+            raise bad("max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
+            raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         if not isinstance(self.stop, (str, list, tuple, type(None))) or not all(
@@ -120,14 +121,15 @@ class SamplingParams:
             return
         if not isinstance(lb, dict):
             raise SamplingParamsError(f"logit_bias={lb!r} is invalid: must be a dict of token "
-                                      f"id -> bias")
+                                      f"id -> bias", "logit_bias")
         for tok, v in lb.items():
             if not _is_int(tok) or tok < 0:
                 raise SamplingParamsError(f"logit_bias key {tok!r} is invalid: must be a token "
-                                          f"id (an integer >= 0)")
+                                          f"id (an integer >= 0)", "logit_bias")
             if not (_is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
                 raise SamplingParamsError(f"logit_bias[{tok}]={v!r} is invalid: must be in "
-                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                                          "logit_bias")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -297,7 +297,7 @@ def _post(http, path, body):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": PROMPT, "temperature": -1}, None),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
     ({"prompt": PROMPT, "max_tokens": 500}, None),  # context length
     ({"prompt": "", "max_tokens": 2}, None),
     ({"prompt": [], "max_tokens": 2}, "prompt"),
@@ -313,13 +313,13 @@ def _post(http, path, body):
     ({"prompt": PROMPT, "best_of": 3}, "best_of"),
     ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
     ({"prompt": PROMPT, "stream_options": "yes"}, "stream_options"),
-    ({"prompt": PROMPT, "top_p": 0}, None),
-    ({"prompt": PROMPT, "presence_penalty": 5}, None),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "presence_penalty": 5}, "presence_penalty"),
     ({"prompt": PROMPT, "min_tokens": 9, "max_tokens": 2}, None),
     ({"prompt": PROMPT, "stop_token_ids": [999]}, None),  # outside the vocabulary
     ({"prompt": PROMPT, "logprobs": 1000}, None),
     ({"prompt": PROMPT, "n": 0}, None),
-    ({"prompt": PROMPT, "seed": "x"}, None),
+    ({"prompt": PROMPT, "seed": "x"}, "seed"),
     ({"prompt": PROMPT, "stop": [""]}, None),
     ({"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
     # booleans are true or false (bool("false") is True), text is valid Unicode
@@ -357,6 +357,8 @@ def test_completion_input_errors_are_400(http, body, param, stream):
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": "w4"},
     {"messages": [{"role": "user", "content": "w4 \ud800"}]},
+    {"messages": [{"role": "user", "content": "w4"}], "logprobs": True, "top_logprobs": 100},
+    {"messages": [{"role": "user", "content": "w4"}], "max_completion_tokens": -1},
     {"messages": [{"role": "user", "content": "w4"}], "echo": "false"},
 ])
 @pytest.mark.parametrize("stream", [False, True])
@@ -375,6 +377,17 @@ def test_stream_options_without_stream_is_400(http):
         r = http.post(path, json={"model": MODEL, **body,
                                   "stream_options": {"include_usage": True}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_errors_name_the_chat_fields(http):
+    msgs = [{"role": "user", "content": "w4"}]
+    r = _post(http, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                             "logprobs": True, "top_logprobs": 100})
+    assert r.json()["error"]["param"] == "top_logprobs"
+    assert "top_logprobs=100" in r.json()["error"]["message"]
+    r = _post(http, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                             "max_completion_tokens": -1})
+    assert r.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_stream_flags_are_booleans(http):
@@ -397,6 +410,15 @@ def test_bad_bodies(http):
     assert http.post("/v1/completions", json=[1, 2]).status_code == 400
     r = http.post("/v1/completions", json={"prompt": "w5 " * 8000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_path_and_method_answer_in_the_error_shape(http):
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert "/v1/nothing" in r.json()["error"]["message"]
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in r.headers["allow"]
 
 
 def test_unknown_model_404(client, http):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagebatch.request import PositionLogprobs, SamplingParams
+from pagebatch.request import MAX_LOGPROBS, PositionLogprobs, SamplingParams
 
 # Fields OpenAI or vLLM define that pagebatch does not implement: a 400, never silence.
 UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
@@ -223,6 +223,9 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad(f"max_completion_tokens={max_tokens!r:.50} is invalid: must be an integer "
+                  f">= 1", "max_completion_tokens")
     want = body.get("logprobs", False)
     if not isinstance(want, bool):
         raise bad(f"logprobs must be true or false for chat completions, got {want!r}",
@@ -231,8 +234,9 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     if top is not None:
         if not want:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")
-        if isinstance(top, bool) or not isinstance(top, int):
-            raise bad(f"top_logprobs must be an integer, got {top!r}", "top_logprobs")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad(f"top_logprobs={top!r:.50} is invalid: must be an integer in "
+                      f"[0, {MAX_LOGPROBS}]", "top_logprobs")
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
     opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, **_stream_opts(body))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -67,13 +68,26 @@ def error_response(e: proto.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (an unknown path 404, a wrong method 405) in the OpenAI error
+    shape that every other answer has."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code < 400:  # (not raised by these routes; kept as Starlette answers it)
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    what = "not_found" if exc.status_code == 404 else (
+        "method_not_allowed" if exc.status_code == 405 else None)
+    err = proto.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                         code=what)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
 def as_api_error(e: BaseException) -> proto.ApiError:
     """Map an exception to its HTTP error: input errors 400, a dead engine 503, else 500."""
     if isinstance(e, proto.ApiError):
         return e
     if isinstance(e, InvalidRequestError):
-        code = type(e).__name__
-        return proto.ApiError(400, str(e), code=code)
+        return proto.ApiError(400, str(e), param=getattr(e, "param", None),
+                              code=type(e).__name__)
     if isinstance(e, EngineDeadError):
         return proto.ApiError(503, str(e), type="service_unavailable", code="engine_dead")
     logger.exception("request failed")
@@ -278,7 +292,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig,
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     if settings.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
