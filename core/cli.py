@@ -43,9 +43,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .request import SamplingParams
 
     config = _config_from_args(args)
-    engine = LLMEngine(config)
     # sampling options not given come from the model's generation_config.json (as vLLM)
     given = {k: getattr(args, k) for k in _MODEL_DEFAULTED if getattr(args, k) is not None}
+    SamplingParams(**given, max_tokens=args.max_tokens, stop=args.stop or None,
+                   seed=args.sampling_seed).validate()  # before the model loads
+    engine = LLMEngine(config)
     params = SamplingParams(**{**engine.sampling_defaults, **given,
                                "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                                "stop": args.stop or None, "seed": args.sampling_seed})
@@ -121,8 +123,17 @@ def _add_quantize_parser(sub) -> None:
     q.set_defaults(func=_cmd_quantize)
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated long options (``--max-num-seq`` must not mean ``--max-num-seqs``: a typo
+    gets argparse's error instead); subcommand parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagebatch", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="pagebatch", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)

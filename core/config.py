@@ -57,7 +57,10 @@ def parse_int(minimum: int | None = None, maximum: int | None = None) -> Callabl
     def parse(v: Any) -> int:
         if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError("expected an integer")
-        n = int(v)
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise ValueError("expected an integer") from None
         if minimum is not None and n < minimum:
             raise ValueError(f"must be >= {minimum}")
         if maximum is not None and n > maximum:
@@ -76,8 +79,18 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return wrapped
 
 
+def _number(v: Any) -> float:
+    """``v`` as a float; ValueError("expected a number") for a list, a word, a bool."""
+    if isinstance(v, bool):
+        raise ValueError("expected a number")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number") from None
+
+
 def _fraction(v: Any) -> float:
-    x = float(v)
+    x = _number(v)
     if not 0.0 < x <= 1.0:
         raise ValueError("must be in (0, 1]")
     return x
@@ -127,7 +140,7 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 def _positive_float(v: Any) -> float:
-    x = float(v)
+    x = _number(v)
     if not math.isfinite(x) or x <= 0:
         raise ValueError("must be a positive number")
     return x
@@ -325,13 +338,29 @@ def normalize_key(key: str) -> str:
     return str(key).strip().replace("-", "_")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (YAML 1.2 says
+    keys are unique; PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a config file: a YAML mapping of keys to values. Raises ConfigError."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        what = "is not a file" if p.exists() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

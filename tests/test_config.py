@@ -265,3 +265,42 @@ def test_cli_bad_value_is_a_config_error():
     cli = cli_values(parser.parse_args(["--max-num-seqs", "-3"]), options)
     with pytest.raises(ConfigError, match=r"'max_num_seqs'.*'-3'.*>= 1"):
         EngineConfig.from_sources(cli=cli, plugin_options=PLUGIN_OPTS)
+
+
+def test_type_errors_say_what_was_expected(tmp_path):
+    """Values of the wrong type get "expected an integer / a number", not Python's int() or
+    float() wording."""
+    for key, value, want in (("max_num_seqs", [1, 2], "expected an integer"),
+                             ("max_num_seqs", "lots", "expected an integer"),
+                             ("gpu_memory_utilization", "lots", "expected a number"),
+                             ("distributed_timeout", [3], "expected a number")):
+        with pytest.raises(ConfigError, match=f"{key}.*{want}"):
+            EngineConfig.from_dict({key: value})
+
+
+def test_yaml_duplicate_keys_and_directories_are_errors(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("max_num_seqs: 2\nmax_num_seqs: 3\n")
+    with pytest.raises(ConfigError, match="'max_num_seqs' is given twice"):
+        EngineConfig.from_sources(file=str(f))
+    with pytest.raises(ConfigError, match="is not a file"):
+        EngineConfig.from_sources(file=str(tmp_path))
+
+
+def test_cli_options_are_not_abbreviated_and_sampling_flags_are_checked_first(monkeypatch,
+                                                                              capsys):
+    """`--max-num-seq` is an error, not `--max-num-seqs`; a bad sampling flag of `generate`
+    is reported before any model loads."""
+    from pagebatch import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "m", "--prompt", "x", "--max-num-seq", "1"])
+    assert "unrecognized arguments: --max-num-seq" in capsys.readouterr().err
+
+    def no_engine(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr("pagebatch.engine.LLMEngine", no_engine)
+    monkeypatch.setattr(cli, "_config_from_args", lambda args: None)
+    assert cli.main(["generate", "m", "--prompt", "x", "--max-tokens", "-5"]) == 2
+    assert "max_tokens=-5 is invalid: must be an integer >= 1" in capsys.readouterr().err
