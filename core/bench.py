@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from .config import EngineConfig
+from .config import EngineConfig, parse_int
 from .errors import ConfigError
 
 
@@ -38,15 +38,14 @@ def weight_bytes(model) -> int:
 
 
 def _at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum`` (argparse names the flag and exits 2)."""
+    """An argparse type: config's `parse_int` (argparse names the flag and exits 2)."""
+    check = parse_int(minimum)
+
     def parse(v: str) -> int:
         try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
-        return n
+            return check(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}, got {v}") from None
 
     return parse
 
@@ -58,7 +57,8 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
     for kind in ("throughput", "latency"):
         p = bsub.add_parser(kind)
         add_engine_args(p)
-        p.add_argument("--num-prompts", type=_at_least(1), default=16 if kind == "throughput" else 1)
+        p.add_argument("--num-prompts", type=_at_least(1),
+                       default=16 if kind == "throughput" else 1)
         p.add_argument("--input-len", type=_at_least(1), default=128)
         p.add_argument("--output-len", type=_at_least(1), default=64)
         p.add_argument("--input-len-min", type=_at_least(1), default=None,

@@ -45,12 +45,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     # sampling options not given come from the model's generation_config.json (as vLLM)
     given = {k: getattr(args, k) for k in _MODEL_DEFAULTED if getattr(args, k) is not None}
-    SamplingParams(**given, max_tokens=args.max_tokens, stop=args.stop or None,
-                   seed=args.sampling_seed).validate()  # before the model loads
+    given.update(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                 stop=args.stop or None, seed=args.sampling_seed)
+    SamplingParams(**given).validate()  # before the model loads
     engine = LLMEngine(config)
-    params = SamplingParams(**{**engine.sampling_defaults, **given,
-                               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-                               "stop": args.stop or None, "seed": args.sampling_seed})
+    params = SamplingParams(**{**engine.sampling_defaults, **given})
     for text in args.prompt:
         prompt = (engine.chat_prompt([{"role": "user", "content": text}]) if args.chat
                   else text)

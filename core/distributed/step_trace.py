@@ -38,9 +38,7 @@ class StepTrace:
         self.first, self.last = parse_steps(steps) if steps and self.dir else (-1, -1)
 
     def before_step(self) -> None:
-        n = self.step
-        self.step += 1
-        if n == self.first:
+        if self.step == self.first:
             import torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -48,8 +46,9 @@ class StepTrace:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=acts)
             self._prof.__enter__()
-        elif n == self.last:
+        elif self.step == self.last:
             self.finish()
+        self.step += 1
 
     def finish(self) -> None:
         """Stop a running trace and write it (also at shutdown, before ``last``)."""
@@ -60,4 +59,4 @@ class StepTrace:
         path = os.path.join(self.dir, f"trace-rank{self.rank}.json.gz")
         prof.export_chrome_trace(path)
         logger.info("rank %d: trace of steps %d..%d written to %s", self.rank, self.first,
-                    self.step - 2, path)
+                    self.step - 1, path)

@@ -207,8 +207,8 @@ class WorkerGroup:
                 w.proc.kill()  # (spawned workers ignore SIGTERM: the front half's to handle)
 
     def stop(self, shutdown_message: bytes | None) -> None:
-        """Send ``shutdown_message`` (when given), then join, terminate or kill the spawned
-        workers, close the connections and unlink the ring."""
+        """Send ``shutdown_message`` (when given), then join or kill the spawned workers (they
+        ignore SIGTERM), close the connections and unlink the ring."""
         self._stop_watch.set()
         if shutdown_message is not None and self.workers:
             deadline = time.monotonic() + 5.0

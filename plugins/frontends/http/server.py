@@ -68,12 +68,9 @@ def error_response(e: proto.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
+async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (an unknown path 404, a wrong method 405) in the OpenAI error
     shape that every other answer has."""
-    assert isinstance(exc, HTTPException)
-    if exc.status_code < 400:  # (not raised by these routes; kept as Starlette answers it)
-        return Response(status_code=exc.status_code, headers=exc.headers)
     what = "not_found" if exc.status_code == 404 else (
         "method_not_allowed" if exc.status_code == 405 else None)
     err = proto.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
