@@ -158,12 +158,22 @@ def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
     the tensor-core split-K GEMM."""
     pf = 32 // bits
     out = []
-    if m <= 2:
-        for bn, kp, sk, warps in itertools.product((32, 64, 128), (8, 16, 32), (1, 2, 4, 8),
-                                                   (2, 4)):
-            if group_size % (kp * pf) == 0:
-                out.append(dict(kernel="gemv", block_n=bn, block_kp=kp, split_k=sk,
-                                num_warps=warps, num_stages=3))
+    kp = 16  # packed rows per sub-tile: the largest power of two up to 16 inside one group
+    while kp > 1 and group_size % (kp * pf):
+        kp //= 2
+    if m <= 2 and group_size % (kp * pf) == 0:
+        # 1-8K weight words per iteration (sub_tiles group-aligned tiles loaded at once), 8-32
+        # per thread: enough bytes in flight to stream from HBM without spilling registers
+        # (prefetch: the next iteration's words loaded before this one's are used; splits that
+        # are not powers of two to fit the grid to the SMs' program slots)
+        for bn, sub, sk, warps, pre in itertools.product((32, 64, 128), (1, 2),
+                                                         (2, 3, 4, 6, 8, 12, 16), (2, 4), (0, 1)):
+            words = bn * kp * sub
+            if (1024 <= words <= 8192 and 8 <= words // (32 * warps) <= 32 - 16 * pre):
+                out.append(dict(kernel="gemv", block_n=bn, block_kp=kp, sub_tiles=sub,
+                                split_k=sk, prefetch=pre, num_warps=warps, num_stages=3))
+    if m == 1 and out:  # the tensor-core GEMM never won at one row (session-3 to -5 tunings)
+        return out
     for bn, bk, sk, stages in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8, 16),
                                                 (4,)):
         if group_size % bk == 0:

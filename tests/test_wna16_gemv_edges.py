@@ -61,7 +61,7 @@ def _rel(out, ref):
 
 # ---- what holds ---------------------------------------------------------------------------------
 
-# m, n, k, bits, group (0: K), block_n, block_kp, split_k, zeros, x scale
+# m, n, k, bits, group (0: K), block_n, block_kp, split_k, zeros, x scale[, sub_tiles]
 GEMV_CASES = [
     (1, 40, 256, 4, 32, 32, 4, 1, "zero", 1.0),
     (2, 33, 256, 4, 32, 32, 4, 16, "max", 1e3),      # split_k > k tiles (8)
@@ -70,11 +70,23 @@ GEMV_CASES = [
     (1, 40, 256, 8, 32, 32, 8, 1, "max", 1e-4),
     (4, 33, 384, 8, 128, 64, 16, 5, "zero", 1e2),    # N < block_n, k tiles (6) % split != 0
     (2, 72, 512, 8, 0, 32, 4, 16, "rand", 1.0),
+    # several sub-tiles per iteration, each with its own group: K = 384 leaves a partial
+    # iteration (sub-tiles past K masked), splits that divide and do not divide the iterations
+    (1, 40, 384, 4, 64, 32, 8, 1, "rand", 1.0, 4),
+    (3, 33, 384, 4, 32, 16, 4, 2, "max", 1e2, 2),
+    (2, 72, 512, 4, 0, 32, 16, 3, "rand", 1e-3, 2),  # one group of K
+    (1, 40, 768, 8, 64, 32, 16, 5, "zero", 1.0, 4),
+    (1, 40, 384, 4, 0, 32, 16, 2, "rand", 1.0),      # 3 tiles per group: the division path
+    (2, 64, 1024, 4, 128, 32, 16, 3, "rand", 1.0, 2),  # K, N multiples of the tile: no masks
+    (1, 64, 512, 8, 64, 64, 16, 2, "max", 1e2, 2),     # no masks at 8 bits
 ]
 
 
-@pytest.mark.parametrize("m,n,k,bits,gs,block_n,block_kp,split_k,zeros,x_scale", GEMV_CASES)
-def test_gemv_matches_fp64(m, n, k, bits, gs, block_n, block_kp, split_k, zeros, x_scale):
+@pytest.mark.parametrize("m,n,k,bits,gs,block_n,block_kp,split_k,zeros,x_scale,sub_tiles",
+                         [c if len(c) == 11 else (*c, 1) for c in GEMV_CASES])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_gemv_matches_fp64(m, n, k, bits, gs, block_n, block_kp, split_k, zeros, x_scale,
+                           sub_tiles, prefetch):
     """Zero-mean activations of any magnitude: within the fp16 output rounding (~2.5e-4) of the
     fp64 product, twice in a row (the counters are reused), counters left at zero."""
     from pagebatch.quant.kernels.wna16_gemv import wna16_gemv
@@ -83,7 +95,7 @@ def test_gemv_matches_fp64(m, n, k, bits, gs, block_n, block_kp, split_k, zeros,
     x, qw, s, z, ref = _problem(m, n, k, bits, gs, zeros=zeros, x_scale=x_scale, seed=m + n + k)
     for _ in range(2):
         out = wna16_gemv(x, qw, s, z, bits, gs, block_n=block_n, block_kp=block_kp,
-                         split_k=split_k)
+                         split_k=split_k, sub_tiles=sub_tiles, prefetch=prefetch)
         assert out.shape == (m, n) and out.dtype == x.dtype
         assert _rel(out, ref) < 6e-4
         if split_k > 1:

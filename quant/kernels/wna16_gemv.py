@@ -3,22 +3,30 @@ of x, over the canonical layout of quant/wna16.py (qweight int32 ``[K * bits / 3
 along K; scales, zeros ``[G, N]``), for layers whose group size is a multiple of the K tile.
 
 At batch 1 the product is a matrix-vector one: the weight read is the whole cost, and the
-arithmetic that turns each packed field into a float must keep up with it (on an H200 the
-integer pipe is half as wide as the fp32 one). Per 4-bit weight field the kernel does one AND/OR
-(a LOP3), one FMA, half a shift and a quarter of a float operation for the per-row corrections:
+instructions that turn each packed field into a float must keep up with it (an H200 SM issues
+128 thread-instructions per cycle: at ~4 TB/s that leaves ~20 per 32-bit word of 8 fields).
+Per 4-bit field the kernel does one AND/OR (a LOP3), one FMA and half a shift; the per-row
+corrections and the group scale cost about one more per field:
 
 - one shift of a word puts two fields at bits 15 and 19 (one 8-bit field at bit 15); a field at
   bit ``b`` is masked in place and ORed into the exponent ``150 - b`` of an fp32, which is then
   exactly ``2**(23 - b) + v`` (the "magic number" int-to-float conversion of FasterTransformer /
-  AWQ, here in fp32);
-- the FMA multiplies x by that float as it is; per row of a K tile (one word's fields) the bases'
-  share ``sum x * 2**(23 - b)`` and the zero point's ``z * sum x`` are subtracted before the tile
-  is scaled and accumulated, so nothing large accumulates across K (activations with a non-zero
-  mean stay exact to fp32 rounding: tests/test_quant_kernels.py);
-- the products of one K tile are summed first; its group's scale is applied once per tile.
+  AWQ, here in fp32). Mask and exponent are kernel arguments: as constants the compiler
+  rematerialized them with a MOV before every LOP3;
+- the FMA multiplies x by that float as it is; each row's sum (one word's fields) starts from
+  minus the bases' share ``sum x * 2**(23 - b)`` and the zero point's ``z * sum x``, and the
+  group's scale multiplies it once, so nothing large accumulates across K (activations with a
+  non-zero mean stay exact to fp32 rounding: tests/test_wna16_gemv_edges.py);
+- ``sub_tiles`` group-aligned K tiles are loaded per iteration and ``prefetch`` loads the next
+  iteration's before this one is used (more bytes in flight); scales and zeros are loaded
+  straight into the weight tile's register layout (a ``[BLOCK_N]`` load was moved there through
+  shared memory and barriers every iteration); when K and N are multiples of the tile no loads
+  are masked.
 
-Split-K without extra launches: core/kernels/splitk.py (the last-arriving program adds the
-partials).
+SASS per iteration (sm_90, 16 words per thread, Triton AOT on a CPU machine): 746 instructions
+before these changes, 464 after; on the H200 the 8B gate_up shape went 34.9 -> 26.9 us
+(docs/benchmarks.md, session 5). Split-K without extra launches: core/kernels/splitk.py (the
+last-arriving program adds the partials).
 """
 
 from __future__ import annotations
@@ -31,19 +39,51 @@ from pagebatch.kernels.splitk import launch_buffers, splitk_store
 
 
 @triton.jit
-def _field(w, BITS: tl.constexpr, OFF: tl.constexpr):
-    """The field at bits ``OFF ..`` of each int32 in ``w`` as fp32 ``2**(23 - OFF) + v``
-    (exact: the field is the low mantissa bits under exponent ``150 - OFF``)."""
-    mask: tl.constexpr = ((1 << BITS) - 1) << OFF
-    expo: tl.constexpr = (150 - OFF) << 23
+def _field(w, mask, expo):
+    """The field ``w & mask`` (at bits ``b ..``) of each int32 in ``w`` as fp32 ``2**(23 - b) +
+    v``: exact, the field is the low mantissa bits under the exponent ``expo`` (``150 - b``).
+    ``mask`` and ``expo`` are kernel arguments, not constants: as constants the compiler
+    rebuilds them in a register before every use (a MOV per field)."""
     return ((w & mask) | expo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile(q_ptr, s_ptr, z_ptr, kt, offs_s, offs_r, offs_n, n_ok, K, group_size, stride_qk,
+          stride_sg, PF: tl.constexpr, BLOCK_KP: tl.constexpr, SUB: tl.constexpr,
+          GROUP_SHIFT: tl.constexpr, EVEN: tl.constexpr):
+    """Iteration ``kt``'s packed rows ``[SUB, BLOCK_KP]``, weight words ``[SUB, BLOCK_KP,
+    BLOCK_N]`` and their scales and zeros (fp32, the words' shape)."""
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF
+    sub = kt * SUB + offs_s  # [SUB] sub-tile indices
+    rows = sub[:, None] * BLOCK_KP + offs_r[None, :]  # [SUB, BLOCK_KP] packed rows
+    if GROUP_SHIFT >= 0:  # group_size = BLOCK_K << GROUP_SHIFT
+        g = sub >> GROUP_SHIFT
+    else:
+        g = (sub * BLOCK_K) // group_size
+    q_ptrs = q_ptr + rows[:, :, None] * stride_qk + offs_n[None, None, :]
+    # scales and zeros through pointers of the weight tile's shape (every row of a sub-tile the
+    # same address): loaded straight into the layout they are used in, where a [SUB, BLOCK_N]
+    # load would be moved there through shared memory and barriers each iteration
+    sz_off = g[:, None, None] * stride_sg + offs_n[None, None, :] + 0 * rows[:, :, None]
+    if EVEN:  # K a multiple of BLOCK_K * SUB, N of BLOCK_N: no masks
+        q = tl.load(q_ptrs)
+        s = tl.load(s_ptr + sz_off).to(tl.float32)
+        z = tl.load(z_ptr + sz_off).to(tl.float32)
+    else:
+        qm = (rows * PF < K)[:, :, None] & n_ok[None, None, :]
+        q = tl.load(q_ptrs, mask=qm, other=0)
+        s = tl.load(s_ptr + sz_off, mask=qm, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz_off, mask=qm, other=0.0).to(tl.float32)
+    return rows, q, s, z
 
 
 @triton.jit(do_not_specialize=["M"])
 def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                        M, N, K, group_size, stride_xm, stride_qk, stride_sg, stride_om,
+                       mask_lo, mask_hi, expo_lo, expo_hi,
                        BITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_KP: tl.constexpr):
+                       BLOCK_KP: tl.constexpr, SUB: tl.constexpr, GROUP_SHIFT: tl.constexpr,
+                       EVEN: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -51,43 +91,69 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     # each shifted copy of a word puts PER fields at bits 15 (and 19): the top of the fp32
     # mantissa, where the float bases 2**(23 - off) are smallest (2**8, 2**4)
     PER: tl.constexpr = 2 if BITS == 4 else 1
-    BLOCK_K: tl.constexpr = BLOCK_KP * PF
+    BLOCK_K: tl.constexpr = BLOCK_KP * PF  # inputs of one sub-tile (inside one group)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    offs_s = tl.arange(0, SUB)
     offs_r = tl.arange(0, BLOCK_KP)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    # one iteration loads SUB sub-tiles [SUB, BLOCK_KP, BLOCK_N] at once (more bytes in flight
+    # per program than one group's tile allows); each sub-tile has its own group's scales
+    k_tiles = tl.cdiv(K, BLOCK_K * SUB)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt_start = pid_k * per_split
     kt_end = tl.minimum(kt_start + per_split, k_tiles)
     x_row = x_ptr + m * stride_xm
-    acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((SUB, BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # the next iteration's tile is loaded before this one is computed (clamped
+        # into range: the last iteration loads its own tile again, from cache)
+        rows_n, q_n, s_n, z_n = _tile(q_ptr, s_ptr, z_ptr, tl.minimum(kt_start, k_tiles - 1),
+                                      offs_s, offs_r, offs_n, n_ok, K, group_size, stride_qk,
+                                      stride_sg, PF, BLOCK_KP, SUB, GROUP_SHIFT, EVEN)
     for kt in range(kt_start, kt_end):
-        rows = kt * BLOCK_KP + offs_r
-        r_ok = rows * PF < K
-        q = tl.load(q_ptr + rows[:, None] * stride_qk + offs_n[None, :],
-                    mask=r_ok[:, None] & n_ok[None, :], other=0)
+        if PREFETCH:
+            rows, q, s, z = rows_n, q_n, s_n, z_n
+            rows_n, q_n, s_n, z_n = _tile(q_ptr, s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1),
+                                          offs_s, offs_r, offs_n, n_ok, K, group_size,
+                                          stride_qk, stride_sg, PF, BLOCK_KP, SUB, GROUP_SHIFT,
+                                          EVEN)
+        else:
+            rows, q, s, z = _tile(q_ptr, s_ptr, z_ptr, kt, offs_s, offs_r, offs_n, n_ok, K,
+                                  group_size, stride_qk, stride_sg, PF, BLOCK_KP, SUB,
+                                  GROUP_SHIFT, EVEN)
         x_base = x_row + rows * PF
-        part = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_KP,), dtype=tl.float32)
-        x_off = tl.zeros((BLOCK_KP,), dtype=tl.float32)  # sum of x * 2**(23 - off)
+        r_ok = rows * PF < K
+        # per row of the tile, before the products: the float bases' share (x_lo * 2**8 +
+        # x_hi * 2**4, the fields put at bits 15 and 19) and the zero point's (z * sum x), so
+        # that each row's sum starts from minus them and nothing large accumulates across tiles
+        x_lo = tl.zeros((SUB, BLOCK_KP), dtype=tl.float32)
+        x_hi = tl.zeros((SUB, BLOCK_KP), dtype=tl.float32)
+        for j in tl.static_range(PF):
+            if EVEN:
+                xj = tl.load(x_base + j).to(tl.float32)
+            else:
+                xj = tl.load(x_base + j, mask=r_ok, other=0.0).to(tl.float32)
+            if j % PER == 0:
+                x_lo += xj
+            else:
+                x_hi += xj
+        part = -(x_lo * (1 << 8) + x_hi * (1 << 4))[:, :, None] - (x_lo + x_hi)[:, :, None] * z
         for p in tl.static_range(PF // PER):
             # field p*PER moves from bit 8p to bit 15: a shift by 15 - 8p
             if p <= 1:
                 w = q << (15 - 8 * p)
             else:
                 w = q >> (8 * p - 15)
-            for i in tl.static_range(PER):
-                xj = tl.load(x_base + (p * PER + i), mask=r_ok, other=0.0).to(tl.float32)
-                part += xj[:, None] * _field(w, BITS, 15 + BITS * i)
-                x_sum += xj
-                x_off += xj * (1 << (8 - BITS * i))
-        g = (kt * BLOCK_K) // group_size
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        # per row of the tile: sum_j x (v - z), the float bases and the zero point taken off
-        # before anything accumulates across tiles
-        acc += (part - x_off[:, None] - x_sum[:, None] * z[None, :]) * s[None, :]
-    res = tl.sum(acc, axis=0)
+            for i in tl.static_range(PER):  # the same loads as above: the compiler reuses them
+                if EVEN:
+                    xj = tl.load(x_base + (p * PER + i)).to(tl.float32)
+                else:
+                    xj = tl.load(x_base + (p * PER + i), mask=r_ok, other=0.0).to(tl.float32)
+                if i == 0:
+                    part += xj[:, :, None] * _field(w, mask_lo, expo_lo)
+                else:
+                    part += xj[:, :, None] * _field(w, mask_hi, expo_hi)
+        acc += part * s
+    res = tl.sum(tl.sum(acc, axis=1), axis=0)
     splitk_store(res, out_ptr + m * stride_om + offs_n, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N,
                  offs_n, SPLIT_K)
 
@@ -100,11 +166,12 @@ def gemv_supported(bits: int, group_size: int, block_kp: int, has_g_idx: bool) -
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int, *, block_n: int,
-               block_kp: int, split_k: int = 1, num_warps: int = 4,
-               num_stages: int = 3) -> torch.Tensor:
+               block_kp: int, split_k: int = 1, sub_tiles: int = 1, prefetch: bool = False,
+               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``x @ W^T``: x ``[M, K]`` fp16/bf16/fp32 (rows contiguous), qweight int32
     ``[K*bits/32, N]``, scales/zeros ``[G, N]`` -> ``[M, N]`` in x's dtype. ``block_kp`` packed
-    rows per K tile (``block_kp * 32/bits`` inputs, which must divide ``group_size``).
+    rows per K sub-tile (``block_kp * 32/bits`` inputs, which must divide ``group_size``);
+    ``sub_tiles`` consecutive sub-tiles (a power of two) are loaded per loop iteration.
 
     Raises ValueError when the shapes disagree, the tile straddles groups, or the split-K
     counters would not fit (M * N / block_n > 65536)."""
@@ -119,10 +186,10 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if qweight.dtype != torch.int32 or qweight.shape[0] * pf != k:
         raise ValueError(f"qweight {qweight.dtype} {tuple(qweight.shape)} does not match K={k} "
                          f"at {bits} bits (int32 [K*bits/32, N])")
-    if split_k < 1 or block_kp < 1 or block_n < 1 or (block_n & (block_n - 1)) or (
-            block_kp & (block_kp - 1)):
-        raise ValueError(f"GEMV: split_k={split_k} must be >= 1, block_n={block_n} and "
-                         f"block_kp={block_kp} powers of two")
+    if split_k < 1 or min(block_kp, block_n, sub_tiles) < 1 or any(
+            v & (v - 1) for v in (block_n, block_kp, sub_tiles)):
+        raise ValueError(f"GEMV: split_k={split_k} must be >= 1, block_n={block_n}, "
+                         f"block_kp={block_kp} and sub_tiles={sub_tiles} powers of two")
     if group_size <= 0 or not gemv_supported(bits, group_size, block_kp, False):
         raise ValueError(f"GEMV tile of {block_kp * pf} inputs does not divide group size "
                          f"{group_size} (bits={bits})")
@@ -134,8 +201,16 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"(strides {scales.stride()}, {zeros.stride()}) must be [>= {groups}, "
                          f"{n}] alike with unit column stride, qweight unit column stride")
     x, out, ws, cnt, n_tiles = launch_buffers(x, n, block_n, split_k, "GEMV")
+    block_k = block_kp * pf
+    tiles_per_group = group_size // block_k
+    shift = tiles_per_group.bit_length() - 1 if tiles_per_group & (tiles_per_group - 1) == 0 else -1
+    lo, hi = 15, 15 + bits  # the two field positions after a word's shift (one at 8 bits)
     _wna16_gemv_kernel[(n_tiles, split_k, m)](
         x, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits, SPLIT_K=split_k,
-        BLOCK_N=block_n, BLOCK_KP=block_kp, num_warps=num_warps, num_stages=num_stages)
+        qweight.stride(0), scales.stride(0), out.stride(0),
+        ((1 << bits) - 1) << lo, ((1 << bits) - 1) << hi, (150 - lo) << 23, (150 - hi) << 23,
+        BITS=bits, SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_KP=block_kp, SUB=sub_tiles,
+        GROUP_SHIFT=shift, EVEN=(k % (block_k * sub_tiles) == 0 and n % block_n == 0),
+        PREFETCH=bool(prefetch),
+        num_warps=num_warps, num_stages=num_stages)
     return out
