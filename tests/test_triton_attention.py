@@ -101,16 +101,25 @@ def test_paged_attention_matches_torch_ref(hq, hkv, d, block_size, mode, dtype):
         check_attention(hq, hkv, d, block_size, mode, dtype, seed=d + block_size)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "second-launch"])
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("mode", ["decode", "mixed"])
-def test_split_kv_matches_torch_ref(splits, mode):
-    """The flash-decoding path (forced), including splits that get no keys."""
-    from pagebatch.plugins.attention.triton_backend import LaunchConfig
+def test_split_kv_matches_torch_ref(splits, mode, fused, monkeypatch):
+    """The flash-decoding path (forced), including splits that get no keys; the partials merged
+    by the last split's program (counters left at zero, twice in a row) or, without counters,
+    by the second kernel."""
+    from pagebatch.kernels.splitk import counter_buffer
+    from pagebatch.plugins.attention import triton_backend as tb
 
+    if not fused:
+        monkeypatch.setattr(tb, "_counters", lambda device, needed: None)
     dtype = DTYPES[0]
-    cfg = (LaunchConfig(16, 64, 4, 3, splits) if ON_GPU else LaunchConfig(16, 16, 4, 1, splits))
-    check_attention(8, 2, 64, 4, mode, dtype, seed=splits, n=6 if ON_GPU else 3,
-                    max_ctx=3000 if ON_GPU else 40, config=cfg)
+    cfg = (tb.LaunchConfig(16, 64, 4, 3, splits) if ON_GPU
+           else tb.LaunchConfig(16, 16, 4, 1, splits))
+    for seed in (splits, splits + 10):
+        check_attention(8, 2, 64, 4, mode, dtype, seed=seed, n=6 if ON_GPU else 3,
+                        max_ctx=3000 if ON_GPU else 40, config=cfg)
+        assert not counter_buffer(DEVICE).any()
 
 
 def test_chosen_config_uses_split_kv_for_long_small_batches():

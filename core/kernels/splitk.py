@@ -27,6 +27,12 @@ def counter_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def counters_ready(device: torch.device) -> bool:
+    """Whether the device's counters exist (`counter_buffer` may be called under CUDA-graph
+    capture only then)."""
+    return device in _counters
+
+
 @triton.jit
 def splitk_store(res, out_ptrs, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N, offs_n,
                  SPLIT_K: tl.constexpr):

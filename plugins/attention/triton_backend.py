@@ -12,6 +12,7 @@ On CPU the backend runs only under ``TRITON_INTERPRET=1`` (tests on tiny shapes)
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import torch
 from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagebatch.hookspecs import hookimpl
 from pagebatch.kernels import num_sms
+
+logger = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 32
@@ -73,6 +76,23 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
         splits = max(1, min(-(-target // programs), max_seq_len // MIN_TOKENS_PER_SPLIT,
                             MAX_SPLITS))
     return LaunchConfig(block_m, tile_n, warps, stages, splits)
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's split-K counters (core/kernels/splitk.py) for a fused split-KV reduction
+    of ``needed`` (query block, kv head) pairs, or None (the separate reduction kernel then
+    runs): more pairs than counters, or the counters not allocated before a CUDA graph is
+    captured. Every eager launch allocates them (also without splits), so the engine's eager
+    warm-up has done it before capture."""
+    from pagebatch.kernels import splitk
+
+    if (not splitk.counters_ready(device) and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()):
+        logger.warning("split-KV counters not allocated before CUDA-graph capture: the graph "
+                       "merges splits in a second kernel")
+        return None
+    buf = splitk.counter_buffer(device)
+    return buf if needed <= splitk.MAX_COUNTERS else None
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -136,16 +156,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if kv_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
+    cnt = _counters(query.device, num_q_blocks * hkv)
+    if splits == 1:
+        cnt = None
     tk.paged_attention_kernel[(num_q_blocks, hkv, splits)](
         out, query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, part_acc, part_ml,
+        metadata.query_start_loc, part_acc, part_ml, out if cnt is None else cnt,
         metadata.num_seqs, num_q_blocks, scale, float(k_scale), float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         metadata.block_tables.stride(0),
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
+        DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if splits > 1 and cnt is None:
         tk.reduce_splits_kernel[(t, hq)](
             out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),

@@ -14,7 +14,8 @@ request times the ``G = num_heads / num_kv_heads`` query heads that share one kv
 of request ``i`` exists for ``query_start_loc[i] // BLOCK_Q + i <= p``; a binary search over
 ``query_start_loc`` finds ``i`` on the device (no host work per step). With ``NUM_SPLITS > 1``
 the context is cut into that many ranges (Flash-Decoding, Dao et al. 2023) and each program
-writes an unnormalised partial result that ``reduce_splits_kernel`` merges.
+writes an unnormalised partial result; the last program of a query block to finish merges them
+(or, where no counters can be had, ``reduce_splits_kernel`` in a second launch).
 
 fp8 KV cache (float8_e4m3fn, core/attention.py): ``write_kv_kernel`` stores ``x / scale``
 clamped to +-448 and rounded to e4m3; the attention kernel converts loaded K/V tiles to the
@@ -135,20 +136,24 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, part_acc_ptr, part_ml_ptr,
+    query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr,
     num_seqs, num_q_blocks, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr = False,
 ):
     """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
     num_seqs (an upper bound: programs past a request's last query block return at once).
 
     NUM_SPLITS == 1 writes out [num_tokens, num_heads, head_dim]; otherwise part_acc
     [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
-    [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps).
+    [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps), which
+    ``reduce_splits_kernel`` merges into out; with ``FUSED_REDUCE`` the last of a (query block,
+    kv head)'s NUM_SPLITS programs to finish merges them itself (an atomic counter per pair in
+    ``cnt_ptr`` [num_q_blocks * NUM_KV_HEADS] int32, zero before and left zero after; the
+    split-K scheme of core/kernels/splitk.py), so no second launch is needed.
     ``k_scale`` / ``v_scale``: fp8 cache scales (1.0 otherwise), applied outside the tile loop.
     """
     # the heaviest query blocks (late in a long prompt) first: a shorter causal tail
@@ -212,11 +217,40 @@ def paged_attention_kernel(
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        row = (tok * (NUM_KV_HEADS * G) + head) * NUM_SPLITS + split
+        row0 = (tok * (NUM_KV_HEADS * G) + head) * NUM_SPLITS  # split 0 of each row
+        row = row0 + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
                  mask=row_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partials are written before the counter moves
+            cnt = cnt_ptr + pid * NUM_KV_HEADS + kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the last split of these rows: merge all of them
+                m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):  # independent loads, issued together
+                    m = tl.maximum(m, tl.load(part_ml_ptr + (row0 + s) * 2, mask=row_ok,
+                                              other=-1.0e30, cache_modifier=".cg"))
+                l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                a_sum = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(part_ml_ptr + (row0 + s) * 2, mask=row_ok, other=-1.0e30,
+                                  cache_modifier=".cg")
+                    l_s = tl.load(part_ml_ptr + (row0 + s) * 2 + 1, mask=row_ok, other=0.0,
+                                  cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM_PAD
+                                  + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    w = tl.math.exp2(m_s - m)  # empty splits: m_s = -1e30, l_s = 0, acc 0
+                    l_sum += l_s * w
+                    a_sum += a_s * w[:, None]
+                out = a_sum / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+                o_ptrs = (out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                          + offs_d[None, :])
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit
