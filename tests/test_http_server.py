@@ -421,7 +421,7 @@ def test_unknown_path_and_method_answer_in_the_error_shape(http):
     assert "POST" in r.headers["allow"]
 
 
-def test_unknown_model_404(client, http):
+def test_unknown_model_404(client, http, tiny_model_dir):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
@@ -430,6 +430,20 @@ def test_unknown_model_404(client, http):
                                                                 "content": "w4"}])
     r = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "stream": True})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # before the stream
+    # with --served-model-name the model's path is not a name of it (vLLM alike)
+    r = http.post("/v1/completions", json={"model": str(tiny_model_dir), "prompt": PROMPT})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_model_and_user_must_be_strings(http, path):
+    body = {"prompt": PROMPT} if "chat" not in path else {
+        "messages": [{"role": "user", "content": "w4"}]}
+    for field in ("model", "user"):
+        r = http.post(path, json={**body, "max_tokens": 2, field: 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = http.post(path, json={**body, "max_tokens": 2, "user": "someone"})
+    assert r.status_code == 200
 
 
 def test_api_key_401(base):

@@ -171,7 +171,8 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x @ W^T``: x ``[M, K]`` fp16/bf16/fp32 (rows contiguous), qweight int32
     ``[K*bits/32, N]``, scales/zeros ``[G, N]`` -> ``[M, N]`` in x's dtype. ``block_kp`` packed
     rows per K sub-tile (``block_kp * 32/bits`` inputs, which must divide ``group_size``);
-    ``sub_tiles`` consecutive sub-tiles (a power of two) are loaded per loop iteration.
+    ``sub_tiles`` consecutive sub-tiles (a power of two) are loaded per loop iteration;
+    ``prefetch`` loads the next iteration's before this one's are used.
 
     Raises ValueError when the shapes disagree, the tile straddles groups, or the split-K
     counters would not fit (M * N / block_n > 65536)."""

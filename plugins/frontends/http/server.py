@@ -139,11 +139,19 @@ class Server:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def check_model(self, body: dict[str, Any]) -> None:
+        """The request's ``model`` (optional) must be the served name: 400 if it is not a
+        string, 404 if it names another model (with --served-model-name, the model's path is
+        another name, as in vLLM). Also checks ``user`` (OpenAI's end-user id) is a string."""
         model = body.get("model")
-        if model is not None and model not in (self.model_name, self.config.model):
-            raise proto.ApiError(404, f"the model {model!r} does not exist; this server "
+        if model is not None and not isinstance(model, str):
+            raise proto.bad(f"model must be a string, got {model!r:.50}", "model")
+        if model is not None and model != self.model_name:
+            raise proto.ApiError(404, f"the model {model!r:.200} does not exist; this server "
                                  f"serves {self.model_name!r}", param="model",
                                  code="model_not_found")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise proto.bad(f"user must be a string, got {user!r:.50}", "user")
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request body as a JSON object; 413 past max_request_body_bytes, 400 if not
