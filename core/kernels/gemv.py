@@ -17,13 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .splitk import launch_buffers, splitk_store
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                 SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -35,12 +37,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
     kt_end = tl.minimum(kt_start + per_split, k_tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    pdl.wait(PDL)
     for kt in range(kt_start, kt_end):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+    pdl.launch_dependents(PDL)
     res = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added once: by the first split's program (its partial goes in the sum)
         if pid_k == 0:
@@ -71,5 +75,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(n_tiles, split_k, m)](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(x.device))
     return out

@@ -6,15 +6,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    pdl.launch_dependents(PDL)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's x + r
@@ -47,12 +51,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if n_rows:
             _rms_norm_kernel[(n_rows,)](x2, x2, weight, out, out, n, eps, x2.stride(0), 0,
                                         out.stride(0), 0, HAS_RESIDUAL=False, BLOCK=block,
-                                        num_warps=warps)
+                                        num_warps=warps, **pdl.launch_options(x.device))
         return out.view(shape)
     r2 = _rows(residual)
     res_out = torch.empty_like(out)
     if n_rows:
         _rms_norm_kernel[(n_rows,)](x2, r2, weight, out, res_out, n, eps, x2.stride(0),
                                     r2.stride(0), out.stride(0), res_out.stride(0),
-                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
+                                    **pdl.launch_options(x.device))
     return out.view(shape), res_out.view(shape)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, t, stride_t, stride_h, stride_ot, cos, sin, num_heads,
@@ -26,8 +28,10 @@ def _rotate_heads(x_ptr, out_ptr, t, stride_t, stride_h, stride_ot, cos, sin, nu
 def _rotary_kernel(pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
                    num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_qot, stride_kot, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr):
+                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pos = tl.load(pos_ptr + t)
     offs_d = tl.arange(0, HALF_PAD)
     d_ok = offs_d < HALF
@@ -58,5 +62,5 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             positions, cos_sin, q, k, q_out, k_out, hq, hk, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0), HALF=half,
             HALF_PAD=triton.next_power_of_2(half), QH_PAD=triton.next_power_of_2(hq),
-            KH_PAD=triton.next_power_of_2(hk), num_warps=4)
+            KH_PAD=triton.next_power_of_2(hk), num_warps=4, **pdl.launch_options(q.device))
     return q_out, k_out

@@ -20,7 +20,7 @@ import torch
 
 from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagebatch.hookspecs import hookimpl
-from pagebatch.kernels import num_sms
+from pagebatch.kernels import num_sms, pdl
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     tk.write_kv_kernel[(t, -(-row // block))](
         key, value, kv_cache[0], kv_cache[1], slot_mapping, key.stride(0), value.stride(0),
         float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
-        ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=4)
+        ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=4,
+        **pdl.launch_options(key.device))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -168,12 +169,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **pdl.launch_options(query.device))
     if splits > 1 and cnt is None:
         tk.reduce_splits_kernel[(t, hq)](
             out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
-            num_warps=4)
+            num_warps=4, **pdl.launch_options(query.device))
     return out
 
 

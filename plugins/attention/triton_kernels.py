@@ -41,6 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagebatch.kernels import pdl
 
 
 @triton.jit
@@ -51,9 +52,12 @@ def write_kv_kernel(
     BLOCK: tl.constexpr,
     FP8: tl.constexpr,  # the cache is fp8: store clamp(x / scale, +-FP8_MAX)
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped."""
     t = tl.program_id(0)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
         return
@@ -143,6 +147,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
     num_seqs (an upper bound: programs past a request's last query block return at once).
@@ -160,6 +165,7 @@ def paged_attention_kernel(
     pid = num_q_blocks - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    pdl.wait(PDL)
     seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
@@ -210,6 +216,7 @@ def paged_attention_kernel(
         acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, mid, hi, stride_slot, offs_d,
         qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
     acc = acc * v_scale
+    pdl.launch_dependents(PDL)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -257,13 +264,14 @@ def paged_attention_kernel(
 def reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (num_tokens, num_heads): merges the NUM_SPLITS partial softmaxes of one head of one
     token, all splits loaded at once (no chain of dependent loads: a decode step's few tokens
     give few programs, each must finish quickly)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    pdl.wait(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -272,6 +280,7 @@ def reduce_splits_kernel(
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     a_s = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                   mask=s_ok[:, None], other=0.0)
+    pdl.launch_dependents(PDL)
     m = tl.max(m_s, 0)
     w = tl.math.exp2(m_s - m)  # empty splits: m_s = -1e30, l_s = 0, acc 0
     l = tl.sum(l_s * w, 0)

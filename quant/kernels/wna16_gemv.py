@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagebatch.kernels import pdl
 from pagebatch.kernels.splitk import launch_buffers, splitk_store
 
 
@@ -83,7 +84,7 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                        mask_lo, mask_hi, expo_lo, expo_hi,
                        BITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_KP: tl.constexpr, SUB: tl.constexpr, GROUP_SHIFT: tl.constexpr,
-                       EVEN: tl.constexpr, PREFETCH: tl.constexpr):
+                       EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -109,6 +110,9 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         rows_n, q_n, s_n, z_n = _tile(q_ptr, s_ptr, z_ptr, tl.minimum(kt_start, k_tiles - 1),
                                       offs_s, offs_r, offs_n, n_ok, K, group_size, stride_qk,
                                       stride_sg, PF, BLOCK_KP, SUB, GROUP_SHIFT, EVEN)
+    # with PDL the first weight tile (prefetch) is read while the previous kernel finishes:
+    # weights are written by no kernel; x is, so it is read only after the wait
+    pdl.wait(PDL)
     for kt in range(kt_start, kt_end):
         if PREFETCH:
             rows, q, s, z = rows_n, q_n, s_n, z_n
@@ -153,6 +157,7 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                 else:
                     part += xj[:, :, None] * _field(w, mask_hi, expo_hi)
         acc += part * s
+    pdl.launch_dependents(PDL)
     res = tl.sum(tl.sum(acc, axis=1), axis=0)
     splitk_store(res, out_ptr + m * stride_om + offs_n, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N,
                  offs_n, SPLIT_K)
@@ -212,6 +217,6 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ((1 << bits) - 1) << lo, ((1 << bits) - 1) << hi, (150 - lo) << 23, (150 - hi) << 23,
         BITS=bits, SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_KP=block_kp, SUB=sub_tiles,
         GROUP_SHIFT=shift, EVEN=(k % (block_k * sub_tiles) == 0 and n % block_n == 0),
-        PREFETCH=bool(prefetch),
-        num_warps=num_warps, num_stages=num_stages)
+        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(x.device))
     return out
