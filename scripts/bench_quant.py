@@ -302,11 +302,11 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
 
     print("== 16-bit GEMV vs cuBLAS (us) ==", flush=True)
     path, table = _tuned_table("dense_gemv", tune_dir)
-    candidates = [dict(kernel="gemv", block_n=bn, block_k=bk, split_k=sk, num_warps=warps,
-                       num_stages=3)
-                  for bn, bk, sk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512),
-                                                             (1, 2, 4, 8), (4, 8))
-                  if bn * bk <= 16384]
+    candidates = [dict(kernel="gemv", block_n=bn, block_k=bk, split_k=sk, prefetch=pre,
+                       num_warps=warps, num_stages=3)
+                  for bn, bk, sk, warps, pre in itertools.product(
+                      (8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8), (4, 8), (0, 1))
+                  if bn * bk <= 16384 >> pre]  # prefetch holds two tiles
     for m, (shape, (k, n)) in itertools.product(rows, DENSE_SHAPES.items()):
         w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
         x = torch.randn(m, k, device=DEV, dtype=DT)

@@ -18,10 +18,12 @@ def test_kernels_under_interpreter():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("m,n,k,block_n,block_k,split_k,bias", [
     (1, 64, 256, 32, 64, 1, False), (1, 50, 200, 16, 64, 3, True),
-    (3, 33, 96, 32, 32, 2, True), (2, 8, 64, 16, 32, 8, False)])
-def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype):
+    (3, 33, 96, 32, 32, 2, True), (2, 8, 64, 16, 32, 8, False),
+    (1, 64, 512, 16, 64, 3, True)])  # K, N multiples of the tile: unmasked; 8 tiles in 3 splits
+def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype, prefetch):
     from pagebatch.kernels.gemv import gemv
     from pagebatch.kernels.splitk import counter_buffer
 
@@ -31,7 +33,8 @@ def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype):
     b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     for _ in range(2):  # the second launch reuses the counters the first left at zero
-        out = gemv(x, w, b, block_n=block_n, block_k=block_k, split_k=split_k)
+        out = gemv(x, w, b, block_n=block_n, block_k=block_k, split_k=split_k,
+                   prefetch=prefetch)
         assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, ref) < REL_TOL[dtype]
     assert not counter_buffer(x.device).any()

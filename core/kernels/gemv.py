@@ -21,11 +21,21 @@ from . import pdl
 from .splitk import launch_buffers, splitk_store
 
 
+@triton.jit
+def _w_tile(w_rows, kt, n_ok, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """K tile ``kt`` of the program's weight rows: ``[BLOCK_N, BLOCK_K]``."""
+    offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(w_rows + offs_k[None, :])
+    return tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
+                   other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -37,12 +47,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
     kt_end = tl.minimum(kt_start + per_split, k_tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    if PREFETCH:  # the next tile is loaded before this one is used (clamped into range); with
+        # PDL the first one is read while the previous kernel finishes (no kernel writes W)
+        w_n = _w_tile(w_rows, tl.minimum(kt_start, k_tiles - 1), n_ok, K, BLOCK_K, EVEN)
     pdl.wait(PDL)
     for kt in range(kt_start, kt_end):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if PREFETCH:
+            w = w_n
+            w_n = _w_tile(w_rows, tl.minimum(kt + 1, kt_end - 1), n_ok, K, BLOCK_K, EVEN)
+        else:
+            w = _w_tile(w_rows, kt, n_ok, K, BLOCK_K, EVEN)
+        if EVEN:
+            x = tl.load(x_ptr + m * stride_xm + offs_k).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            x = x.to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     pdl.launch_dependents(PDL)
     res = tl.sum(acc, axis=1)
@@ -54,10 +74,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         block_n: int, block_k: int, split_k: int = 1, num_warps: int = 4,
-         num_stages: int = 3) -> torch.Tensor:
+         block_n: int, block_k: int, split_k: int = 1, prefetch: bool = False,
+         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``x @ weight^T (+ bias)``: x ``[M, K]`` and weight ``[N, K]`` (K contiguous in both)
     fp16/bf16/fp32, bias ``[N]`` or None -> ``[M, N]`` in x's dtype, fp32 accumulation.
+    ``prefetch``: each K tile of W is loaded one iteration ahead. Loads are unmasked when K and
+    N are multiples of the tile.
 
     Raises ValueError when the shapes or dtypes disagree, or the split-K counters would not fit
     (M * N / block_n > 65536)."""
@@ -75,6 +97,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(n_tiles, split_k, m)](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=(k % block_k == 0 and n % block_n == 0),
+        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(x.device))
     return out
