@@ -360,6 +360,7 @@ def test_completion_input_errors_are_400(http, body, param, stream):
     {"messages": [{"role": "user", "content": "w4"}], "logprobs": True, "top_logprobs": 100},
     {"messages": [{"role": "user", "content": "w4"}], "max_completion_tokens": -1},
     {"messages": [{"role": "user", "content": "w4"}], "echo": "false"},
+    {"messages": [{"role": "user", "content": "w4"}], "logprobs": "true"},
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_input_errors_are_400(http, body, stream):
@@ -368,6 +369,14 @@ def test_chat_input_errors_are_400(http, body, stream):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+def test_chat_null_logprobs_is_the_default(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "w4"}], "max_tokens": 2,
+        "logprobs": None, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
 
 
 def test_stream_options_without_stream_is_400(http):

@@ -226,10 +226,7 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise bad(f"max_completion_tokens={max_tokens!r:.50} is invalid: must be an integer "
                   f">= 1", "max_completion_tokens")
-    want = body.get("logprobs", False)
-    if not isinstance(want, bool):
-        raise bad(f"logprobs must be true or false for chat completions, got {want!r}",
-                  "logprobs")
+    want = flag(body, "logprobs", False)  # null: the default, as OpenAI's API takes it
     top = body.get("top_logprobs")
     if top is not None:
         if not want:
