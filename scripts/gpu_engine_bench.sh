@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 7's engine benchmarks on the GPU machine (through the device tool):
-#   bash scripts/gpu_engine_bench.sh quick|8b|rest|tests|quant|dense|quant-lat|quant-tput
+#   bash scripts/gpu_engine_bench.sh quick|8b|rest|tests|quant|dense|quant-lat|quant-tput|pdl
 # quick: the CUDA-graph GPU tests and the 1B-shape runs; 8b: T1 (with --compare hf), T2 and T5
 # (cold and warm Triton cache); rest: T4 (nano-vllm workload), T6 (GPU busy time), T3 with
 # --compare hf. Writes JSON to $OUT (or /tmp/out) and prints a table last.
@@ -87,6 +87,19 @@ dense)  # issue 7, T2/T3: the 16-bit GEMV against cuBLAS (tuned into $OUT/config
             --output "$OUT/lat-$shape-cublas.json"
         PAGEBATCH_KERNEL_CONFIG_DIR=$OUT/configs run lat-$shape-gemv 75 $B latency $C \
             --input-len 128 --output-len 256 --output "$OUT/lat-$shape-gemv.json"
+    done ;;
+pdl)  # issues 7, 8: programmatic dependent launch (core/kernels/pdl.py) — the compiled kernel
+    # tests with it on (and the fused split-KV reduction), then batch-1 decode without / with it
+    PAGEBATCH_PDL=1 run pdl-tests 240 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_triton_attention.py tests/test_dense_gemv.py tests/test_wna16_gemv_edges.py \
+        tests/test_cuda_graphs_gpu.py
+    for case in 8b-bf16 8b-awq 1b-bf16; do
+        C=$C8; [ ${case%%-*} = 1b ] && C=$C1
+        extra=""; [ ${case#*-} = awq ] && extra="--quantization awq"
+        for p in 0 1; do
+            PAGEBATCH_PDL=$p run lat-$case-pdl$p 75 $B latency $C $extra --input-len 128 \
+                --output-len 256 --output "$OUT/lat-$case-pdl$p.json"
+        done
     done ;;
 quant-tput)  # issue 8: W8A8 and fp8 on a prefill-heavy workload vs bf16
     for q in bf16 int8 fp8; do
