@@ -78,6 +78,9 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
     return LaunchConfig(block_m, tile_n, warps, stages, splits)
 
 
+_warned: list[bool] = []  # the capture warning, once per process
+
+
 def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's split-K counters (core/kernels/splitk.py) for a fused split-KV reduction
     of ``needed`` (query block, kv head) pairs, or None (the separate reduction kernel then
@@ -88,8 +91,10 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
     if (not splitk.counters_ready(device) and device.type == "cuda"
             and torch.cuda.is_current_stream_capturing()):
-        logger.warning("split-KV counters not allocated before CUDA-graph capture: the graph "
-                       "merges splits in a second kernel")
+        if not _warned:
+            _warned.append(True)
+            logger.warning("split-KV counters not allocated before CUDA-graph capture: the "
+                           "graphs merge splits in a second kernel")
         return None
     buf = splitk.counter_buffer(device)
     return buf if needed <= splitk.MAX_COUNTERS else None
