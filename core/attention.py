@@ -80,6 +80,12 @@ class AttentionBackend(ABC):
     # True when `write_kv` and `forward` take an fp8 (float8_e4m3fn) cache and the keyword
     # arguments k_scale / v_scale (see the module docstring); they are passed for fp8 caches only
     supports_fp8_kv_cache: bool = False
+    # True when `write_kv` and `forward` take ``rope=(positions, cos_sin)`` and apply RoPE
+    # (rotate-half, core/layers/rotary.py) to key and query themselves, rounding the rotated
+    # values to the model's dtype as the rotary layer does (positions [num_tokens] int64,
+    # cos_sin [max_position, head_dim] fp32: cos then sin halves). The attention layer then
+    # skips its own rotary launch; without it the layer rotates q and k first
+    supports_fused_rope: bool = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

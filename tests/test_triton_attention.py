@@ -122,6 +122,66 @@ def test_split_kv_matches_torch_ref(splits, mode, fused, monkeypatch):
         assert not counter_buffer(DEVICE).any()
 
 
+@pytest.mark.parametrize("mode,splits", [("mixed", 1), ("decode", 3), ("prefill", 1)])
+def test_fused_rope_equals_rotating_first(mode, splits):
+    """RoPE inside the KV write (K) and the attention kernel (Q) == the rotary layer's torch
+    rotation applied first: the same cache bits up to a last-place rounding, the same output."""
+    from pagebatch.layers.rotary import RotaryEmbedding
+    from pagebatch.plugins.attention import triton_backend as tb
+
+    dtype, hq, hkv, d = DTYPES[0], 8, 2, 64
+    qlens, lens = ragged_batch(7, mode, 3, 40)
+    cache, meta, q, k, v = make_batch(7, qlens, lens, hq, hkv, d, 4, dtype)
+    positions = torch.cat([torch.arange(n - ql, n) for ql, n in zip(qlens, lens)]).to(DEVICE)
+    rot = RotaryEmbedding(d, 64, 10000.0, None, DEVICE)
+    cfg = tb.LaunchConfig(16, 16, 4, 1, splits) if not ON_GPU else None
+    q_r, k_r = rot.forward_torch(positions, q, k)
+    first = cache.clone()
+    tb.write_kv(k_r, v, first, meta.slot_mapping)
+    out_first = tb.paged_attention(q_r, first, meta, d ** -0.5, cfg)
+    fused = cache.clone()
+    rope = (positions, rot.cos_sin)
+    tb.write_kv(k, v, fused, meta.slot_mapping, rope=rope)
+    out_fused = tb.paged_attention(q, fused, meta, d ** -0.5, cfg, rope=rope)
+    assert torch.equal(fused.isnan(), first.isnan())
+    assert rel_err(fused.nan_to_num(0.0), first.nan_to_num(0.0)) < REL_TOL[dtype]
+    assert rel_err(out_fused, out_first) < REL_TOL[dtype]
+    # and not the unrotated attention (the check can fail)
+    plain = cache.clone()
+    tb.write_kv(k, v, plain, meta.slot_mapping)
+    assert rel_err(tb.paged_attention(q, plain, meta, d ** -0.5, cfg), out_first) > 0.05
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs test_engine_greedy_triton_equals_torch_ref")
+def test_engine_with_fused_rope_matches_torch_ref_on_cpu(tmp_path):
+    """CPU, interpreter: a tiny Llama (Qwen3's q/k norms too) through the engine with the triton
+    backend, whose attention layers hand it the rotary (KV write and attention rotate K and Q),
+    gives torch_ref's greedy tokens (near-tie rule)."""
+    from conftest import build_tiny_model
+    from numerics import assert_greedy_match, top2_gaps
+    from pagebatch import LLM, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randint(3, 250) for _ in range(n)] for n in (5, 17, 30)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for model_type in ("llama", "qwen3"):
+        folder = build_tiny_model(tmp_path / model_type, model_type=model_type)
+        runs = {}
+        for name in ("torch_ref", "triton"):
+            llm = LLM(str(folder), device="cpu", dtype="float32", attention_backend=name,
+                      num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+            runner = llm.engine.core.runner
+            assert runner.attn_backend.name == name
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            gaps = [top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:])
+                    for p, t in zip(prompts, tokens)]
+            runs[name] = (tokens, gaps)
+            del llm, runner
+        for ref, gaps, got in zip(*runs["torch_ref"], runs["triton"][0]):
+            assert_greedy_match(ref, gaps, got, what=f"{model_type}: triton vs torch_ref")
+
+
 def test_chosen_config_uses_split_kv_for_long_small_batches():
     from pagebatch.plugins.attention.triton_backend import choose_config
 

@@ -28,11 +28,20 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: this layer's cache. Returns [T, Hq * D]."""
-        scales = {}
+                metadata: AttentionMetadata, rope: tuple | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: this layer's cache. Returns [T, Hq * D].
+        ``rope``: (positions [T] int64, a `RotaryEmbedding`) to apply to q and k first: inside
+        the backend's KV write and attention when it supports that (``supports_fused_rope``:
+        one kernel fewer per layer), else here."""
+        kw = {}
         if kv_cache.dtype == FP8_KV_DTYPE:  # only backends with supports_fp8_kv_cache get one
-            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, **scales)
-        out = self.backend.forward(q, kv_cache, metadata, self.scale, **scales)
+            kw = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if rope is not None:
+            positions, rotary = rope
+            if self.backend.supports_fused_rope:
+                kw["rope"] = (positions, rotary.cos_sin)
+            else:
+                q, k = rotary(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, **kw)
+        out = self.backend.forward(q, kv_cache, metadata, self.scale, **kw)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

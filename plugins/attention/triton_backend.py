@@ -101,10 +101,13 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (negative: skip the token). An
-    fp8 cache stores ``x / scale`` clamped to +-448 (scales ignored for other caches)."""
+    fp8 cache stores ``x / scale`` clamped to +-448 (scales ignored for other caches).
+    ``rope``: (positions [num_tokens] int64, cos_sin [max_position, head_dim] fp32): key is
+    rotated (RoPE, rotate-half) before it is stored."""
     from . import triton_kernels as tk
 
     t, hkv, d = key.shape
@@ -117,21 +120,24 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     row = hkv * d
     block = min(_next_pow2(row), 2048)
     fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    pos, cos_sin = rope if rope is not None else (slot_mapping, key)
     tk.write_kv_kernel[(t, -(-row // block))](
-        key, value, kv_cache[0], kv_cache[1], slot_mapping, key.stride(0), value.stride(0),
-        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
-        ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=4,
-        **pdl.launch_options(key.device))
+        key, value, kv_cache[0], kv_cache[1], slot_mapping, pos, cos_sin, key.stride(0),
+        value.stride(0), float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
+        ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, ROPE=rope is not None,
+        HEAD_DIM=d, num_warps=4, **pdl.launch_options(key.device))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float, config: LaunchConfig | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
     head_dim] in query's dtype, or fp8 e4m3 read as ``float(entry) * k_scale`` (``v_scale``;
     scales ignored for other caches). Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    ``rope``: (positions, cos_sin) as for `write_kv`: the query is rotated as it is loaded.
     ``config`` overrides the tile choice (benchmarks, tests). Raises ValueError for head_dim
     above 256.
     """
@@ -168,12 +174,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     tk.paged_attention_kernel[(num_q_blocks, hkv, splits)](
         out, query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, part_acc, part_ml, out if cnt is None else cnt,
+        *(rope if rope is not None else (metadata.seq_lens, query)),
         metadata.num_seqs, num_q_blocks, scale, float(k_scale), float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         metadata.block_tables.stride(0),
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, num_warps=cfg.num_warps,
+        DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options(query.device))
     if splits > 1 and cnt is None:
         tk.reduce_splits_kernel[(t, hq)](
@@ -187,6 +195,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_fp8_kv_cache = True
+    supports_fused_rope = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> str | None:
         try:
@@ -207,12 +216,12 @@ class TritonBackend(AttentionBackend):
                     f"this GPU is {torch.cuda.get_device_capability(device)}")
         return super().supports_kv_cache_dtype(device, dtype, kv_dtype)
 
-    def write_kv(self, key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
-        write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    def write_kv(self, key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0, rope=None):
+        write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, rope)
 
     def forward(self, query, kv_cache, metadata: AttentionMetadata, scale, k_scale=1.0,
-                v_scale=1.0):
-        return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale)
+                v_scale=1.0, rope=None):
+        return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale, rope)
 
 
 @hookimpl

@@ -45,13 +45,31 @@ from pagebatch.kernels import pdl
 
 
 @triton.jit
+def _rope(x, x_ptrs, d, pos, cos_sin_ptr, mask, HEAD_DIM: tl.constexpr):
+    """RoPE (rotate-half) of ``x`` (loaded from ``x_ptrs``; ``d`` each element's index within
+    its head, ``pos`` its token's position, broadcastable): ``x1 cos - x2 sin`` in the first half
+    of a head, ``x2 cos + x1 sin`` in the second, in fp32, rounded to x's dtype (as
+    core/kernels/rotary.py rounds)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    first = d < HALF
+    c = tl.where(first, d, d - HALF)
+    partner = tl.load(x_ptrs + tl.where(first, HALF, -HALF), mask=mask, other=0.0)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + c, mask=mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + c, mask=mask, other=0.0)
+    xf, pf = x.to(tl.float32), partner.to(tl.float32)
+    return tl.where(first, xf * cos - pf * sin, xf * cos + pf * sin).to(x.dtype)
+
+
+@triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, pos_ptr, cos_sin_ptr,
     stride_kt, stride_vt, k_scale, v_scale,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: elements of one token's K (or V)
     BLOCK: tl.constexpr,
     FP8: tl.constexpr,  # the cache is fp8: store clamp(x / scale, +-FP8_MAX)
     FP8_MAX: tl.constexpr,
+    ROPE: tl.constexpr = False,  # rotate K first (positions, cos_sin table; see _rope)
+    HEAD_DIM: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped."""
@@ -63,7 +81,10 @@ def write_kv_kernel(
         return
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < ROW
-    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    k_ptrs = key_ptr + t.to(tl.int64) * stride_kt + offs
+    k = tl.load(k_ptrs, mask=mask)
+    if ROPE:
+        k = _rope(k, k_ptrs, offs % HEAD_DIM, tl.load(pos_ptr + t), cos_sin_ptr, mask, HEAD_DIM)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
     if FP8:
         k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
@@ -140,14 +161,14 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr,
+    query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, pos_ptr, cos_sin_ptr,
     num_seqs, num_q_blocks, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
     num_seqs (an upper bound: programs past a request's last query block return at once).
@@ -183,8 +204,12 @@ def paged_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
     d_ok = offs_d < HEAD_DIM
     tok = (q_begin + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+    if ROPE:  # the query rotated here, by its token's position (the KV write rotated K)
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=0)
+        q = _rope(q, q_ptrs, offs_d[None, :], pos[:, None], cos_sin_ptr, q_ok, HEAD_DIM)
     q_pos = ctx_len + q_idx
 
     # keys [0, kv_end) are needed; [0, first_pos] are visible to every row of the tile

@@ -81,8 +81,8 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        # rotary inside the KV write and attention where the backend can (else the layer's)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope=(positions, self.rotary)))
 
 
 class LlamaMLP(nn.Module):
