@@ -92,7 +92,7 @@ pdl)  # issues 7, 8: programmatic dependent launch (core/kernels/pdl.py) — the
     # tests with it on (and the fused split-KV reduction), then batch-1 decode without / with it
     PAGEBATCH_PDL=1 run pdl-tests 240 python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_triton_attention.py tests/test_dense_gemv.py tests/test_wna16_gemv_edges.py \
-        tests/test_cuda_graphs_gpu.py
+        tests/test_argmax.py tests/test_cuda_graphs_gpu.py
     for case in 8b-bf16 8b-awq 1b-bf16; do
         C=$C8; [ ${case%%-*} = 1b ] && C=$C1
         extra=""; [ ${case#*-} = awq ] && extra="--quantization awq"
