@@ -152,33 +152,45 @@ def test_fused_rope_equals_rotating_first(mode, splits):
     assert rel_err(tb.paged_attention(q, plain, meta, d ** -0.5, cfg), out_first) > 0.05
 
 
+def _greedy_by_backend(folder, prompts, sp, device, extra=None, **keys):
+    """{backend: (greedy tokens per prompt, the top-2 logit gaps where each was chosen,
+    ``extra(runner)``)} for ``torch_ref`` and ``triton``, fp32, one engine at a time."""
+    from numerics import top2_gaps
+    from pagebatch import LLM
+
+    runs = {}
+    for name in ("torch_ref", "triton"):
+        llm = LLM(str(folder), device=device, dtype="float32", attention_backend=name, **keys)
+        runner = llm.engine.core.runner
+        assert runner.attn_backend.name == name
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        # the top-2 gap where each generated token was chosen, from one forward over it all
+        gaps = [top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:])
+                for p, t in zip(prompts, tokens)]
+        runs[name] = (tokens, gaps, extra(runner) if extra else None)
+        del llm, runner
+    return runs
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs test_engine_greedy_triton_equals_torch_ref")
 def test_engine_with_fused_rope_matches_torch_ref_on_cpu(tmp_path):
     """CPU, interpreter: a tiny Llama (Qwen3's q/k norms too) through the engine with the triton
     backend, whose attention layers hand it the rotary (KV write and attention rotate K and Q),
     gives torch_ref's greedy tokens (near-tie rule)."""
     from conftest import build_tiny_model
-    from numerics import assert_greedy_match, top2_gaps
-    from pagebatch import LLM, SamplingParams
+    from numerics import assert_greedy_match
+    from pagebatch import SamplingParams
 
     rng = random.Random(1)
     prompts = [[rng.randint(3, 250) for _ in range(n)] for n in (5, 17, 30)]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for model_type in ("llama", "qwen3"):
         folder = build_tiny_model(tmp_path / model_type, model_type=model_type)
-        runs = {}
-        for name in ("torch_ref", "triton"):
-            llm = LLM(str(folder), device="cpu", dtype="float32", attention_backend=name,
-                      num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
-            runner = llm.engine.core.runner
-            assert runner.attn_backend.name == name
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            tokens = [o.outputs[0].token_ids for o in outs]
-            gaps = [top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:])
-                    for p, t in zip(prompts, tokens)]
-            runs[name] = (tokens, gaps)
-            del llm, runner
-        for ref, gaps, got in zip(*runs["torch_ref"], runs["triton"][0]):
+        runs = _greedy_by_backend(folder, prompts, sp, "cpu", num_kv_blocks=64, block_size=4,
+                                  max_num_batched_tokens=64)
+        for ref, gaps, got in zip(runs["torch_ref"][0], runs["torch_ref"][1],
+                                  runs["triton"][0]):
             assert_greedy_match(ref, gaps, got, what=f"{model_type}: triton vs torch_ref")
 
 
@@ -287,8 +299,8 @@ def test_engine_greedy_triton_equals_torch_ref(tmp_path):
     tokens with the triton backend (and the fused kernels) equal torch_ref's, fp32, near-tie
     rule; logits on the same tokens agree."""
     from conftest import build_tiny_model
-    from numerics import LOGITS_ATOL, LOGITS_RTOL, assert_greedy_match, top2_gaps
-    from pagebatch import LLM, SamplingParams
+    from numerics import LOGITS_ATOL, LOGITS_RTOL, assert_greedy_match
+    from pagebatch import SamplingParams
 
     folder = build_tiny_model(tmp_path / "tiny", hidden_size=576, intermediate_size=1536,
                               num_attention_heads=9, num_key_value_heads=3,
@@ -297,19 +309,10 @@ def test_engine_greedy_triton_equals_torch_ref(tmp_path):
     prompts = [[rng.randint(3, 255) for _ in range(rng.randint(1, 300))] for _ in range(12)]
     prompts += [prompts[0][:200] + [7, 8, 9]]  # a prefix-cache hit
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    runs = {}
-    for name in ("torch_ref", "triton"):
-        llm = LLM(str(folder), device="cuda", dtype="float32", attention_backend=name,
-                  num_kv_blocks=512, block_size=16, max_num_batched_tokens=256)
-        runner = llm.engine.core.runner
-        assert runner.attn_backend.name == name
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        tokens = [o.outputs[0].token_ids for o in outs]
-        # the top-2 gap where each generated token was chosen, from one forward over it all
-        gaps = [top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:])
-                for p, t in zip(prompts, tokens)]
-        runs[name] = (tokens, gaps, runner.forward_scratch(prompts[1] + list(range(3, 40))))
-        del llm, runner
+    runs = _greedy_by_backend(
+        folder, prompts, sp, "cuda",
+        lambda runner: runner.forward_scratch(prompts[1] + list(range(3, 40))),
+        num_kv_blocks=512, block_size=16, max_num_batched_tokens=256)
     torch.testing.assert_close(runs["triton"][2], runs["torch_ref"][2], atol=LOGITS_ATOL,
                                rtol=LOGITS_RTOL)
     for ref, gaps, got in zip(runs["torch_ref"][0], runs["torch_ref"][1], runs["triton"][0]):
