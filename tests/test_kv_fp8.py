@@ -169,6 +169,32 @@ def test_triton_write_kv_stores_scaled_e4m3_bytes(scale):
     assert caches[0].view(2, 12, 2, 32)[:, [1, 2, 4, 6, 8, 9, 10]].eq(0x7F).all()  # untouched
 
 
+def test_triton_fused_rope_on_fp8_cache():
+    """RoPE inside the fp8 KV write and attention (`supports_fused_rope`) == rotating first:
+    the same cache bytes but for last-place rounding, the same attention output."""
+    from pagebatch.layers.rotary import RotaryEmbedding
+    from pagebatch.plugins.attention import triton_backend as tb
+
+    _triton_here()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    ks, vs = 0.05, 1.7
+    qlens, lens = ragged(3, "mixed", 3, 40)
+    cache, meta, q, k, v = fp8_batch(3, qlens, lens, 8, 2, 64, 4, dtype, ks, vs)
+    positions = torch.cat([torch.arange(n - ql, n) for ql, n in zip(qlens, lens)]).to(DEVICE)
+    rot = RotaryEmbedding(64, 64, 10000.0, None, DEVICE)
+    q_r, k_r = rot.forward_torch(positions, q, k)
+    first, fused = cache.clone(), cache.clone()
+    tb.write_kv(k_r, v, first, meta.slot_mapping, ks, vs)
+    tb.write_kv(k, v, fused, meta.slot_mapping, ks, vs, rope=(positions, rot.cos_sin))
+    a, b = dequantize(first, ks, vs), dequantize(fused, ks, vs)
+    assert torch.equal(a.isnan(), b.isnan())
+    assert ((a.nan_to_num(0.0) - b.nan_to_num(0.0)).norm() / a.nan_to_num(0.0).norm()) < 2e-2
+    out_a = tb.paged_attention(q_r, first, meta, 0.125, None, ks, vs)
+    out_b = tb.paged_attention(q, fused, meta, 0.125, None, ks, vs,
+                               rope=(positions, rot.cos_sin))
+    assert ((out_a.float() - out_b.float()).norm() / out_a.float().norm()) < 2e-2
+
+
 def check_triton_fp8(hq, hkv, d, block_size, mode, dtype, seed=0, n=4, max_ctx=40,
                      config=None, k_scale=0.05, v_scale=1.7):
     """Triton attention over the fp8 cache against torch_ref over its dequantized fp32 copy.
