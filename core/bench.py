@@ -133,11 +133,18 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
             n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         return time.perf_counter() - start, ttft or 0.0, n_out
 
-    # warm-up: throughput runs a quarter of the workload (Triton compiles the kernel variants
-    # a workload meets on first use; the time is reported as warmup_s), latency one request
-    # (prompts shifted by one id: the timed run must not hit the prefix cache it leaves)
+    # every run's prompts have their ids shifted by a run-own amount (mod the largest id + 1,
+    # so inside the vocabulary): no run may hit the prefix cache that the ones before it left
+    hi = max(max(p, default=0) for p in prompts) + 1
+
+    def shifted(ps: list[list[int]], by: int) -> list[list[int]]:
+        return ps if by == 0 else [[(t + by) % hi for t in p] for p in ps]
+
+    # warm-up (shift -1): throughput runs a quarter of the workload (Triton compiles the kernel
+    # variants a workload meets on first use; the time is reported as warmup_s), latency one
+    # request
     t0 = time.perf_counter()
-    warm = [[t - 1 if t else 1 for t in p] for p in prompts]
+    warm = shifted(prompts, hi - 1)
     run(warm[:max(1, len(warm) // 4)] if kind == "throughput" else warm[:1])
     res: dict[str, Any] = {"engine": "pagebatch", "startup_s": round(startup, 2),
                            "warmup_s": round(time.perf_counter() - t0, 2)}
@@ -147,19 +154,14 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
         res["weights_gb"] = round(weight_bytes(model) / 1e9, 3)
         res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
     if kind == "throughput":
-        # iteration i > 0 shifts every id by i (below the largest id + 1, so inside the
-        # vocabulary): no iteration may hit the prefix cache that the ones before it left
-        hi = max(max(p, default=0) for p in prompts) + 1
-        times = [run(prompts if i == 0 else [[(t + i) % hi for t in p] for p in prompts])
-                 for i in range(num_iters)]
+        times = [run(shifted(prompts, i)) for i in range(num_iters)]
         elapsed = min(t[0] for t in times)
         n_out = times[0][2]
         res.update(elapsed_s=elapsed, output_tokens=n_out, output_tok_s=n_out / elapsed,
                    elapsed_each_s=[round(t[0], 3) for t in times])
     else:
-        # each iteration a prompt of its own (ids shifted): TTFT without prefix-cache hits
-        runs = [run([[(t + 1 + i) % 10000 for t in p]]) for p in prompts
-                for i in range(num_iters)]
+        # each iteration a prompt of its own: TTFT without prefix-cache hits
+        runs = [run(shifted([p], 1 + i)) for p in prompts for i in range(num_iters)]
         ttft = sorted(r[1] for r in runs)[len(runs) // 2]
         decode = sorted((r[2] - 1) / (r[0] - r[1]) for r in runs)[len(runs) // 2]
         res.update(ttft_s=ttft, decode_tok_s=decode)

@@ -182,9 +182,7 @@ class EngineCore:
                                    max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    async_decode=self.executor.async_decode,
-                                   num_micro_batches=(self._max_in_flight
-                                                      if config.pipeline_parallel_size > 1
-                                                      else 1))
+                                   num_micro_batches=self.executor.num_micro_batches)
         self._times = EngineCoreStats()  # only its per-request time lists are used
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
@@ -255,10 +253,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a step and start it, then return the outputs of the oldest step in flight
         (vLLM v1's ``step_with_batch_queue``). With one step at a time (the CPU, or no async
-        scheduling): schedule, execute, sample, update. With ``max_concurrent_batches`` > 1 (async
-        scheduling: 2; pipeline stages: one per stage) the call returns at once while fewer
-        steps are in flight and something new could be scheduled; otherwise it waits for the
-        oldest.
+        scheduling): schedule, execute, sample, update. With ``max_concurrent_batches`` > 1
+        (async scheduling: 2; pipeline stages: ``pipeline_micro_batches``, by default one per
+        stage) the call returns at once while fewer steps are in flight and something new could
+        be scheduled; otherwise it waits for the oldest.
 
         A failure of a step finishes its requests with reason ``error`` and the engine goes on
         with the others; raises EngineDeadError when the executor cannot run steps any more

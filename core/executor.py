@@ -51,6 +51,9 @@ class Executor(ABC):
     driver_runner: ModelRunner
     # how many steps the engine core may keep in flight (1: each step waits for the previous)
     max_concurrent_batches: int = 1
+    # how many groups the scheduler splits the running requests into, one per step in flight
+    # (pipeline stages: each works on its own group); 1 = every step may take them all
+    num_micro_batches: int = 1
     # the scheduler may schedule a request's next decode while its previous token is still
     # being sampled (PLACEHOLDER_TOKEN inputs, which the runner fills in on the device)
     async_decode: bool = False

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 9's TP/PP benchmarks on two H200s (device kind nvidia-h200-x2), through the device tool:
-#   bash scripts/bench_parallel.sh [--only tp1,tp2,pp1,pp2] [--eager]
+#   bash scripts/bench_parallel.sh [--only tp1,tp2,pp1,pp2,pp2mb3] [--eager]
 # Installs pagebatch (scripts/gpu-run), checks two GPUs are visible, then runs
 # scripts/bench_parallel.py (JSON in $OUT, a table last).
 set -uo pipefail

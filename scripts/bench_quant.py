@@ -154,8 +154,8 @@ def bench_paths() -> None:
 
 
 def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
-    """The W4A16 configs the sweep tries at ``m`` rows: the CUDA-core GEMV (up to 4 rows) and
-    the tensor-core split-K GEMM."""
+    """The W4A16 configs the sweep tries at ``m`` rows: the CUDA-core GEMV (up to 2 rows) and
+    the tensor-core split-K GEMM (from 2 rows)."""
     pf = 32 // bits
     out = []
     kp = 16  # packed rows per sub-tile: the largest power of two up to 16 inside one group

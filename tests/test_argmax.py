@@ -28,7 +28,8 @@ def test_argmax_rows_equals_torch(n, v, dtype):
     x = torch.randn(n, v, generator=g).to(dtype)
     if v > 10:
         x[0, v // 3] = x[0, v - 2] = 50.0  # a tie far apart: the first
-        x[-1, 1] = x[-1, 2] = 60.0  # a tie next to each other
+        if n > 1:
+            x[-1, 1] = x[-1, 2] = 60.0  # a tie next to each other
     x = x.to(DEVICE)
     for _ in range(2):  # the counters are reused
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
@@ -59,6 +60,12 @@ def test_sampler_through_the_kernel_matches_torch(monkeypatch):
         seeds=torch.tensor([1, 2, 3], device=DEVICE),
         positions=torch.tensor([4, 5, 6], device=DEVICE), all_greedy=False, any_top_k=False,
         any_top_p=False)
+    from pagebatch.kernels import argmax as kernel
+
+    calls = []
+    argmax_rows = kernel.argmax_rows
+    monkeypatch.setattr(kernel, "argmax_rows", lambda x: (calls.append(1), argmax_rows(x))[1])
     got = sm.sample(logits, batch)
+    assert len(calls) == 2  # the greedy rows' argmax and the draw's
     monkeypatch.setattr(sm, "_argmax", lambda x: x.argmax(dim=-1))
     assert torch.equal(got, sm.sample(logits, batch))

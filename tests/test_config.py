@@ -8,7 +8,7 @@ import pytest
 
 import pagebatch.registry as registry_mod
 from pagebatch.config import (ConfigOption, EngineConfig, add_cli_options, cli_values,
-                              parse_bool, parse_size)
+                              load_yaml, parse_bool, parse_size)
 from pagebatch.errors import ConfigError
 from pagebatch.hookspecs import hookimpl
 from pagebatch.registry import Registry
@@ -267,7 +267,7 @@ def test_cli_bad_value_is_a_config_error():
         EngineConfig.from_sources(cli=cli, plugin_options=PLUGIN_OPTS)
 
 
-def test_type_errors_say_what_was_expected(tmp_path):
+def test_type_errors_say_what_was_expected():
     """Values of the wrong type get "expected an integer / a number", not Python's int() or
     float() wording."""
     for key, value, want in (("max_num_seqs", [1, 2], "expected an integer"),
@@ -285,6 +285,9 @@ def test_yaml_duplicate_keys_and_directories_are_errors(tmp_path):
         EngineConfig.from_sources(file=str(f))
     with pytest.raises(ConfigError, match="is not a file"):
         EngineConfig.from_sources(file=str(tmp_path))
+    merged = tmp_path / "merge.yaml"  # YAML merge keys still work beside the duplicate check
+    merged.write_text("base: &b {max_num_seqs: 2}\nserve: {<<: *b, port: 9}\n")
+    assert load_yaml(merged)["serve"] == {"max_num_seqs": 2, "port": 9}
 
 
 def test_cli_options_are_not_abbreviated_and_sampling_flags_are_checked_first(monkeypatch,

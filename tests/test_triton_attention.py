@@ -110,9 +110,12 @@ def test_split_kv_matches_torch_ref(splits, mode, fused, monkeypatch):
     by the second kernel."""
     from pagebatch.kernels.splitk import counter_buffer
     from pagebatch.plugins.attention import triton_backend as tb
+    from pagebatch.plugins.attention import triton_kernels as tk
 
     if not fused:
         monkeypatch.setattr(tb, "_counters", lambda device, needed: None)
+    second = _LaunchCounter(tk.reduce_splits_kernel)
+    monkeypatch.setattr(tk, "reduce_splits_kernel", second)
     dtype = DTYPES[0]
     cfg = (tb.LaunchConfig(16, 64, 4, 3, splits) if ON_GPU
            else tb.LaunchConfig(16, 16, 4, 1, splits))
@@ -120,6 +123,18 @@ def test_split_kv_matches_torch_ref(splits, mode, fused, monkeypatch):
         check_attention(8, 2, 64, 4, mode, dtype, seed=seed, n=6 if ON_GPU else 3,
                         max_ctx=3000 if ON_GPU else 40, config=cfg)
         assert not counter_buffer(DEVICE).any()
+    assert (second.launches == 0) == fused  # the fused merge needs no second kernel
+
+
+class _LaunchCounter:
+    """A Triton kernel stand-in that counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("mode,splits", [("mixed", 1), ("decode", 3), ("prefill", 1)])
@@ -174,14 +189,23 @@ def _greedy_by_backend(folder, prompts, sp, device, extra=None, **keys):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs test_engine_greedy_triton_equals_torch_ref")
-def test_engine_with_fused_rope_matches_torch_ref_on_cpu(tmp_path):
+def test_engine_with_fused_rope_matches_torch_ref_on_cpu(tmp_path, monkeypatch):
     """CPU, interpreter: a tiny Llama (Qwen3's q/k norms too) through the engine with the triton
     backend, whose attention layers hand it the rotary (KV write and attention rotate K and Q),
     gives torch_ref's greedy tokens (near-tie rule)."""
     from conftest import build_tiny_model
     from numerics import assert_greedy_match
     from pagebatch import SamplingParams
+    from pagebatch.plugins.attention.triton_backend import TritonBackend
 
+    handed = []  # whether each triton KV write got the rotary (the layer did not rotate)
+    write_kv = TritonBackend.write_kv
+
+    def spy(self, *args, rope=None, **kw):
+        handed.append(rope is not None)
+        return write_kv(self, *args, rope=rope, **kw)
+
+    monkeypatch.setattr(TritonBackend, "write_kv", spy)
     rng = random.Random(1)
     prompts = [[rng.randint(3, 250) for _ in range(n)] for n in (5, 17, 30)]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -192,6 +216,7 @@ def test_engine_with_fused_rope_matches_torch_ref_on_cpu(tmp_path):
         for ref, gaps, got in zip(runs["torch_ref"][0], runs["torch_ref"][1],
                                   runs["triton"][0]):
             assert_greedy_match(ref, gaps, got, what=f"{model_type}: triton vs torch_ref")
+    assert handed and all(handed)
 
 
 def test_chosen_config_uses_split_kv_for_long_small_batches():

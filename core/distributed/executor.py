@@ -77,7 +77,9 @@ class MultiprocExecutor(Executor):
         # placeholders for tokens still being sampled need the sampled ids on every rank: one
         # stage only (pipeline stages before the last never see them)
         self.async_decode = async_scheduling(config) and pp == 1
-        self.max_concurrent_batches = ((config.pipeline_micro_batches or pp) if pp > 1
+        if pp > 1:
+            self.num_micro_batches = config.pipeline_micro_batches or pp
+        self.max_concurrent_batches = (self.num_micro_batches if pp > 1
                                        else 2 if self.async_decode else 1)
         self.group = WorkerGroup(self.world, self._fail)
         self._dead: str | None = None
@@ -226,7 +228,7 @@ class MultiprocExecutor(Executor):
                               f"{self.config.pipeline_parallel_size})")
         if first:
             logger.error("%s", self._dead)
-            self.group.terminate()
+            self.group.kill()
             if self.hard_exit_on_worker_death:
                 timer = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
                 timer.daemon = True  # a normal exit (the error reached the loop) goes first

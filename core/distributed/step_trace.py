@@ -5,8 +5,8 @@ driver's side is scripts/profile_engine.py; a worker has no command line of its 
 
 Each worker profiles its step messages ``first`` to ``last - 1`` (counted from its first step
 after start-up, empty steps included) with CPU and CUDA activity and writes
-``<dir>/trace-rank<rank>.json.gz`` (a Chrome trace). Unset: nothing is done per step but one
-comparison."""
+``<dir>/trace-rank<rank>.json.gz`` (a Chrome trace). Unset: nothing is done per step but a
+counter increment and two comparisons."""
 
 from __future__ import annotations
 

@@ -198,8 +198,9 @@ class WorkerGroup:
                 return f"pid {proc.pid}, killed by signal {-code}"
         return f"pid {proc.pid}, exit code {code}"
 
-    def terminate(self) -> None:
-        """Stop every worker now (a remote one exits when its connection closes)."""
+    def kill(self) -> None:
+        """Stop every worker now: SIGKILL a spawned one, close a remote one's connection (it
+        exits when that closes)."""
         for w in self.workers.values():
             if w.proc is None:
                 w.conn.close()

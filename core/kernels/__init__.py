@@ -5,6 +5,10 @@ the plain torch path). Each module imports Triton, so import one only where it w
 - norm.py: RMSNorm with the residual add fused in (one read of x and residual, one write each).
 - activation.py: SiLU-and-mul (SwiGLU's gate).
 - rotary.py: rotary embedding of q and k in one launch, from the layer's cos/sin table.
+- gemv.py: the 16-bit batch-1 GEMV (where a tuned table says it beats cuBLAS); splitk.py: the
+  split-K reduction by the last-arriving program that it, the W4A16 GEMV, the split-KV
+  attention merge and argmax.py (the sampler's argmax) share; tuned.py: per-GPU config tables.
+- pdl.py: programmatic dependent launch for these kernels (``PAGEBATCH_PDL=1``).
 
 Each rounds where its torch version in core/layers/ rounds, so the two agree to fp32 rounding
 (e.g. ``x + residual`` is rounded to x's dtype before it is normalised).

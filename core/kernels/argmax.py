@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .splitk import MAX_COUNTERS, counter_buffer
 
-CHUNK = 4096  # elements per program
+MAX_CHUNK = 4096  # elements per program at most
 
 
 @triton.jit
@@ -77,7 +77,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     n, v = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    splits = triton.next_power_of_2(max(1, triton.cdiv(v, CHUNK)))
+    chunk = min(MAX_CHUNK, triton.next_power_of_2(v))
+    splits = triton.next_power_of_2(triton.cdiv(v, chunk))
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n == 0:
         return out
@@ -85,8 +86,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"argmax_rows: {n} rows exceed {MAX_COUNTERS} counters")
     vals = torch.empty(n * splits, dtype=torch.float32, device=x.device)
     idxs = torch.empty(n * splits, dtype=torch.int32, device=x.device)
-    chunk = triton.cdiv(v, splits)
-    chunk = triton.next_power_of_2(chunk)
     _argmax_kernel[(n, splits)](x, out, vals, idxs, counter_buffer(x.device), v, x.stride(0),
                                 SPLITS=splits, BLOCK=min(chunk, 1024), CHUNK=chunk,
                                 num_warps=4)

@@ -23,10 +23,10 @@ corrections and the group scale cost about one more per field:
   shared memory and barriers every iteration); when K and N are multiples of the tile no loads
   are masked.
 
-SASS per iteration (sm_90, 16 words per thread, Triton AOT on a CPU machine): 746 instructions
-before these changes, 464 after; on the H200 the 8B gate_up shape went 34.9 -> 26.9 us
-(docs/benchmarks.md, session 5). Split-K without extra launches: core/kernels/splitk.py (the
-last-arriving program adds the partials).
+SASS per iteration (sm_90, 16 words per thread, Triton AOT on any machine:
+scripts/sass_count.py): 757 instructions before these changes, 464 after; on the H200 the 8B
+gate_up shape went 34.9 -> 26.9 us (docs/benchmarks.md, session 5). Split-K without extra
+launches: core/kernels/splitk.py (the last-arriving program adds the partials).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def _field(w, mask, expo):
     ``mask`` and ``expo`` are kernel arguments, not constants: as constants the compiler
     rebuilds them in a register before every use (a MOV per field)."""
     return ((w & mask) | expo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_input(x_base, j, r_ok, EVEN: tl.constexpr):
+    """Input ``j`` of each packed row (``x_base`` [SUB, BLOCK_KP] row starts) as fp32."""
+    if EVEN:
+        return tl.load(x_base + j).to(tl.float32)
+    return tl.load(x_base + j, mask=r_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -132,10 +140,7 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         x_lo = tl.zeros((SUB, BLOCK_KP), dtype=tl.float32)
         x_hi = tl.zeros((SUB, BLOCK_KP), dtype=tl.float32)
         for j in tl.static_range(PF):
-            if EVEN:
-                xj = tl.load(x_base + j).to(tl.float32)
-            else:
-                xj = tl.load(x_base + j, mask=r_ok, other=0.0).to(tl.float32)
+            xj = _x_input(x_base, j, r_ok, EVEN)
             if j % PER == 0:
                 x_lo += xj
             else:
@@ -148,10 +153,7 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
             else:
                 w = q >> (8 * p - 15)
             for i in tl.static_range(PER):  # the same loads as above: the compiler reuses them
-                if EVEN:
-                    xj = tl.load(x_base + (p * PER + i)).to(tl.float32)
-                else:
-                    xj = tl.load(x_base + (p * PER + i), mask=r_ok, other=0.0).to(tl.float32)
+                xj = _x_input(x_base, p * PER + i, r_ok, EVEN)
                 if i == 0:
                     part += xj[:, :, None] * _field(w, mask_lo, expo_lo)
                 else:

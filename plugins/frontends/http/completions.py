@@ -62,7 +62,7 @@ class Completions:
         try:
             s.check_accepting()
             body = await s.read_json(request)
-            s.check_model(body)
+            s.check_model_and_user(body)
             prompts, params, opts = proto.completion_request(
                 body, s.settings.max_prompts_per_request, s.settings.max_n_per_request,
                 s.sampling_defaults)
@@ -216,7 +216,7 @@ class Completions:
         try:
             s.check_accepting()
             body = await s.read_json(request)
-            s.check_model(body)
+            s.check_model_and_user(body)
             messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request,
                                                          s.sampling_defaults)
             try:

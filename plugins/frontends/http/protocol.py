@@ -99,7 +99,9 @@ def sampling_params(body: dict[str, Any], max_tokens: Any, logprobs: int | None,
     """The fields both endpoints share. A field the body leaves unset (or null) takes the
     model's default from ``defaults`` (`LLMEngine.sampling_defaults`, see MODEL_DEFAULTS),
     else SamplingParams'. Range checks are SamplingParams.validate's (the engine runs it and
-    raises SamplingParamsError, answered as a 400)."""
+    raises SamplingParamsError, answered as a 400), but for the fields chat names differently
+    (``max_completion_tokens``, ``top_logprobs``), which `chat_request` checks itself so that
+    the 400 names them."""
     defaults = defaults or {}
 
     def pick(name: str, fallback: Any) -> Any:

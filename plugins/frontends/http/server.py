@@ -64,18 +64,17 @@ class Settings:
         return s
 
 
-def error_response(e: proto.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_response(e: proto.ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own errors (an unknown path 404, a wrong method 405) in the OpenAI error
-    shape that every other answer has."""
-    what = "not_found" if exc.status_code == 404 else (
-        "method_not_allowed" if exc.status_code == 405 else None)
+    """Starlette's own errors (an unknown path 404, a wrong method 405 with its Allow header) in
+    the OpenAI error shape that every other answer has."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     err = proto.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                         code=what)
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+                         code=code)
+    return error_response(err, exc.headers)
 
 
 def as_api_error(e: BaseException) -> proto.ApiError:
@@ -138,7 +137,7 @@ class Server:
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
-    def check_model(self, body: dict[str, Any]) -> None:
+    def check_model_and_user(self, body: dict[str, Any]) -> None:
         """The request's ``model`` (optional) must be the served name: 400 if it is not a
         string, 404 if it names another model (with --served-model-name, the model's path is
         another name, as in vLLM). Also checks ``user`` (OpenAI's end-user id) is a string."""
@@ -209,7 +208,7 @@ class Server:
     async def tokenize(self, request: Request) -> Response:
         try:
             body = await self.read_json(request)
-            self.check_model(body)
+            self.check_model_and_user(body)
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
             if "messages" in body:
@@ -230,7 +229,7 @@ class Server:
     async def detokenize(self, request: Request) -> Response:
         try:
             body = await self.read_json(request)
-            self.check_model(body)
+            self.check_model_and_user(body)
             ids = body.get("tokens")
             vocab = self.engine.engine.vocab_size
             if not isinstance(ids, list) or not all(

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Instructions in the main loop of the W4A16 GEMV (quant/kernels/wna16_gemv.py) as compiled for
+an H100/H200 (sm_90), on any machine: Triton compiles ahead of time with its bundled ptxas and
+cuobjdump disassembles, no GPU needed. docs/benchmarks.md (session 5) quotes it:
+
+  python3 scripts/sass_count.py --block-n 64 --block-kp 16 --split-k 8 --num-warps 2
+
+prints the loop's instruction count, the words (int32 of 8 4-bit fields) each thread handles per
+iteration, and the mix by opcode. Kernel parameters are read from the kernel's own signature, so
+the same command measures an older tree's kernel (``git checkout REV -- quant/kernels``)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+PTRS = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+        "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+ALIGNED = {"N", "K", "group_size", "stride_xm", "stride_qk", "stride_sg", "stride_om"}
+
+
+def compile_sass(a: argparse.Namespace) -> str:
+    from pagebatch.quant.kernels.wna16_gemv import _wna16_gemv_kernel as kernel
+
+    consts = dict(BITS=4, SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_KP=a.block_kp,
+                  SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch, PDL=False)
+    names = [p.name for p in kernel.params]
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = PTRS.get(name, "i32")
+            if name in PTRS or name in ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": a.num_warps, "num_stages": 3})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = Path("/tmp/pagebatch-sass-count.cubin")
+    cubin.write_bytes(c.asm["cubin"])
+    return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes between the target and the source of the longest backward branch."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    best = None
+    for addr, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            lo = int(t.group(1), 16)
+            if best is None or addr - lo > best[1] - best[0]:
+                best = (lo, addr)
+    if best is None:
+        raise SystemExit("no loop found in the SASS")
+    return [op for addr, op, _ in ins if best[0] <= addr <= best[1]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--block-kp", type=int, default=16)
+    ap.add_argument("--sub-tiles", type=int, default=1)
+    ap.add_argument("--split-k", type=int, default=8)
+    ap.add_argument("--num-warps", type=int, default=2)
+    ap.add_argument("--prefetch", action="store_true")
+    a = ap.parse_args()
+    ops = main_loop(compile_sass(a))
+    words = a.block_n * a.block_kp * a.sub_tiles // (32 * a.num_warps)
+    mix = collections.Counter(o if o.startswith(("IMAD.MOV", "IMAD.SHL", "IMAD.U32"))
+                              else o.split(".")[0] for o in ops)
+    print(f"main loop: {len(ops)} instructions for {words} words per thread "
+          f"({len(ops) / words:.1f} per word)")
+    print("  " + ", ".join(f"{k} {v}" for k, v in mix.most_common(14)))
+
+
+if __name__ == "__main__":
+    main()
