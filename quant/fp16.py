@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagebatch.hookspecs import hookimpl
-from pagebatch.layers.dense import dense_linear
+from pagebatch.layers.dense import dense_linear, dense_linear_silu_mul
 from pagebatch.layers.linear import LinearBase, QuantMethod
 
 
@@ -36,6 +36,10 @@ class UnquantizedMethod(QuantMethod):
 
     def apply(self, layer: LinearBase, x):
         return dense_linear(x, layer.weight, layer.bias)
+
+    def apply_silu_mul(self, layer: LinearBase, x):
+        """The 16-bit GEMV's gated epilogue where its table chose the GEMV (decode sizes)."""
+        return dense_linear_silu_mul(x, layer.weight, layer.bias)
 
 
 @hookimpl

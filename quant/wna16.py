@@ -222,6 +222,17 @@ class WNA16Method(QuantMethod):
             wt = torch.empty_like(wt).index_copy_(0, layer.perm, wt)
         return wt.t()
 
+    def apply_silu_mul(self, layer: LinearBase, x):
+        """The CUDA-core GEMV's gated epilogue where the product's config is the GEMV (decode
+        sizes, no g_idx, no bias)."""
+        if not x.is_cuda or x.dim() != 2 or layer.bias is not None or layer.g_idx is not None:
+            return None
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        return _kernel_module().wna16_matmul_silu_mul(x, layer.qweight, layer.scales,
+                                                      layer.zeros, self.bits,
+                                                      layer.wgroup_size)
+
     def apply(self, layer: LinearBase, x):
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)

@@ -11,7 +11,10 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            quant/kernels/wna16.py's DENSE_MIN_M
   --only tune-dense --tune DIR  the 16-bit GEMV of core/kernels/gemv.py against cuBLAS at
            the 8B / 1B decode shapes (LM heads included); the faster per shape and M written as
-           DIR/dense_gemv_<GPU>.json (core/layers/dense.py uses the GEMV only where it won)
+           DIR/dense_gemv_<GPU>.json (core/layers/dense.py uses the GEMV only where it won);
+           --dense-shapes 8b-tp2. tunes only the shapes whose names start so
+  --only tinygemm  torch's int4 kernel (aten._weight_int4pack_mm) at the 8B decode shapes,
+           timed as the tuner times (session 6: slower than the W4A16 GEMV on every shape)
   --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
            the fastest per shape and M written to DIR as the tuned table that pick_config reads
            (core/kernels/tuned.py; commit it under core/kernels/configs/)
@@ -292,11 +295,13 @@ DENSE_SHAPES = {  # (K, N) of the 16-bit linear layers and LM heads at batch-1 d
 }
 
 
-def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
+def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...],
+                     only: tuple[str, ...] = ()) -> None:
     """The 16-bit GEMV (core/kernels/gemv.py) against cuBLAS (``F.linear``) at decode sizes of
     the 8B and 1B shapes: every candidate checked against the reference before and after its
     timed replays; the fastest of all (cuBLAS included) kept per shape and M, written as the
-    ``dense_gemv`` table that core/layers/dense.py reads."""
+    ``dense_gemv`` table that core/layers/dense.py reads. ``only``: shape-name prefixes to
+    tune (e.g. ``8b-tp2.``; default all)."""
     from pagebatch.kernels.gemv import gemv
     from pagebatch.layers.dense import gemv_key
 
@@ -307,7 +312,8 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
                   for bn, bk, sk, warps, pre in itertools.product(
                       (8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8), (4, 8), (0, 1))
                   if bn * bk <= 16384 >> pre]  # prefetch holds two tiles
-    for m, (shape, (k, n)) in itertools.product(rows, DENSE_SHAPES.items()):
+    shapes = {s: kn for s, kn in DENSE_SHAPES.items() if not only or s.startswith(only)}
+    for m, (shape, (k, n)) in itertools.product(rows, shapes.items()):
         w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
         x = torch.randn(m, k, device=DEV, dtype=DT)
         next_w = _rotating(lambda i: w if i == 0 else w.clone(), w.numel() * 2)
@@ -334,14 +340,58 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...]) -> None:
         _write_table(path, table)
 
 
+def bench_tinygemm(rows: tuple[int, ...]) -> None:
+    """torch's int4 kernel (``aten._weight_int4pack_mm``, "tinygemm", the one gpt-fast's int4
+    figures used) at the 8B decode shapes, g128, timed like the tuner (rotated weight copies,
+    CUDA-graph replays), against cuBLAS bf16: whether a library kernel beats the W4A16 GEMV.
+    Its format: w = (q - 8) * scale + zero, scale and zero bf16 ``[K/g, N, 2]``."""
+    print("== tinygemm int4 (us) ==", flush=True)
+    g = 128
+    for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        q = torch.randint(0, 16, (n, k), device=DEV, dtype=torch.int32, generator=gen)
+        s = torch.rand(k // g, n, device=DEV, generator=gen) * 0.01 + 0.001
+        z = (torch.rand(k // g, n, device=DEV, generator=gen) - 0.5) * 0.02
+        sz = torch.stack([s, z], dim=-1).to(DT).contiguous()
+        w_ref = ((q.float() - 8).view(n, k // g, g) * sz[..., 0].float().t()[..., None]
+                 + sz[..., 1].float().t()[..., None]).view(n, k)
+        x = torch.randn(m, k, device=DEV, dtype=DT)
+        ref = x.float() @ w_ref.t()
+        u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        for tiles in (2, 4, 8):
+            try:
+                packed = torch._convert_weight_to_int4pack(u8, tiles)
+                nb = packed.numel() * packed.element_size() + sz.numel() * 2
+                nxt = _rotating(lambda i, p=packed: p if i == 0 else p.clone(), nb)
+
+                def run(nxt=nxt):
+                    return torch._weight_int4pack_mm(x, nxt(), g, sz)
+
+                err = ((run().float() - ref).norm() / ref.norm()).item()
+                ms = time_ms(run)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                print(f"  {shape:8s} M={m} tiles={tiles} failed {type(e).__name__}: {e}")
+                continue
+            print(f"  {shape:8s} M={m} inner_k_tiles={tiles} {ms * 1e3:7.1f} us "
+                  f"({nb / ms / 1e6:.0f} GB/s) rel.err {err:.1e}", flush=True)
+            ROWS.append(dict(group="tinygemm", shape=shape, m=m, inner_k_tiles=tiles,
+                             us=ms * 1e3, rel_err=err))
+        q = packed = nxt = None
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["layers", "paths", "tune", "tune-dense"], action="append",
+    ap.add_argument("--only", action="append",
+                    choices=["layers", "paths", "tune", "tune-dense", "tinygemm"],
                     help="run only these parts (default: layers and paths)")
     ap.add_argument("--tune", metavar="DIR", help="also tune the W4A16 kernels at decode sizes "
                     "and write the table (core/kernels/tuned.py) into DIR")
     ap.add_argument("--tune-m", default="1,2,4,8,16",
                     help="row counts to tune at (comma-separated; default %(default)s)")
+    ap.add_argument("--dense-shapes", default="",
+                    help="tune-dense: only shapes whose names start with these prefixes "
+                    "(comma-separated, e.g. 8b-tp2.)")
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -354,7 +404,9 @@ def main() -> int:
         if part == "tune":
             bench_tune(args.tune, rows)
         elif part == "tune-dense":
-            bench_tune_dense(args.tune, rows)
+            bench_tune_dense(args.tune, rows, tuple(filter(None, args.dense_shapes.split(","))))
+        elif part == "tinygemm":
+            bench_tinygemm(rows)
         else:
             {"layers": bench_layers, "paths": bench_paths}[part]()
     if args.json:

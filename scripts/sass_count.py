@@ -30,7 +30,8 @@ def compile_sass(a: argparse.Namespace) -> str:
     from pagebatch.quant.kernels.wna16_gemv import _wna16_gemv_kernel as kernel
 
     consts = dict(BITS=4, SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_KP=a.block_kp,
-                  SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch, PDL=False)
+                  SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch, GATED=a.gated,
+                  PDL=False)
     names = [p.name for p in kernel.params]
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--split-k", type=int, default=8)
     ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--gated", action="store_true",
+                    help="the gate/up product with SiLU-and-mul in its epilogue")
     a = ap.parse_args()
     ops = main_loop(compile_sass(a))
     words = a.block_n * a.block_kp * a.sub_tiles // (32 * a.num_warps)

@@ -40,6 +40,38 @@ def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype, pre
     assert not counter_buffer(x.device).any()
 
 
+def _silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,block_n,block_k,split_k,bias", [
+    (1, 64, 256, 16, 64, 1, False),   # 2 x 32 rows, 8 outputs per tile: unmasked
+    (2, 50, 200, 8, 64, 3, True),     # 25 outputs: the last tile half out of range
+    (3, 96, 512, 32, 128, 4, False),  # split-K through the gated epilogue
+    (1, 40, 96, 64, 32, 2, True)])    # one tile wider than the outputs (20 < 32)
+def test_gated_gemv_is_silu_mul_of_the_product(m, n, k, block_n, block_k, split_k, bias,
+                                               dtype):
+    """``gated=True``: W's rows are N/2 gate then N/2 up ones and the GEMV's epilogue stores
+    silu(gate) * up ``[M, N/2]`` (Llama's MLP at decode sizes: no activation kernel)."""
+    from pagebatch.kernels.gemv import gemv
+    from pagebatch.kernels.splitk import counter_buffer
+
+    g = torch.Generator().manual_seed(3 * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    ref = _silu_mul_ref(F.linear(x.double(), w.double(), None if b is None else b.double()))
+    for _ in range(2):
+        out = gemv(x, w, b, block_n=block_n, block_k=block_k, split_k=split_k, gated=True)
+        assert out.dtype == dtype and out.shape == (m, n // 2)
+        assert rel_err(out, ref) < 2 * REL_TOL[dtype]
+    assert not counter_buffer(x.device).any()
+    with pytest.raises(ValueError, match=f"N={n - 1} is odd"):
+        gemv(x, w[:-1], block_n=block_n, block_k=block_k, gated=True)
+
+
 def test_gemv_errors():
     from pagebatch.kernels.gemv import gemv
 
@@ -84,3 +116,54 @@ def test_dense_table_choice(tmp_path, monkeypatch):
         assert dense._lookup(cuda, 128, 32, 1) is None
     finally:
         tuned.load_table.cache_clear()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the engine on CUDA")
+def test_engine_greedy_with_the_gemv_table_is_cublas_greedy(tmp_path, monkeypatch):
+    """GPU: batch-1 greedy decode of a tiny bf16 Llama with a ``dense_gemv`` table that picks
+    the GEMV for every linear layer (gate/up through the gated epilogue, no activation kernel)
+    gives the tokens of the same engine on cuBLAS (near-tie rule)."""
+    import json
+
+    from conftest import build_tiny_model
+    from numerics import assert_greedy_match, top2_gaps
+    from pagebatch import LLM, SamplingParams
+    from pagebatch.kernels import tuned
+    from pagebatch.layers import dense
+
+    hidden, inter, heads, kv_heads, vocab = 256, 512, 8, 2, 512
+    folder = build_tiny_model(tmp_path / "tiny", hidden_size=hidden, intermediate_size=inter,
+                              num_attention_heads=heads, num_key_value_heads=kv_heads,
+                              vocab_size=vocab, max_position_embeddings=512)
+    hd = hidden // heads
+    shapes = [((heads + 2 * kv_heads) * hd, hidden), (hidden, hidden), (2 * inter, hidden),
+              (hidden, inter), (vocab, hidden)]
+    cfg = {"kernel": "gemv", "block_n": 16, "block_k": 128, "split_k": 2, "num_warps": 4}
+    table = {dense.gemv_key(n, k): {"1": cfg} for n, k in shapes}
+    (tmp_path / f"dense_gemv_{tuned.device_name(torch.device('cuda'))}.json").write_text(
+        json.dumps(table))
+    prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(5 + 9 * i)] for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for with_table in (False, True):
+        if with_table:
+            monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
+        tuned.load_table.cache_clear()
+        dense._choice.clear()
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kv_blocks=256,
+                  block_size=16, max_num_seqs=1)
+        runner = llm.engine.core.runner
+        tokens, gaps = [], []
+        for p in prompts:  # one at a time: every decode step has one row
+            t = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
+            tokens.append(list(t.token_ids))
+            gaps.append(top2_gaps(runner.forward_scratch(p + tokens[-1][:-1])[len(p) - 1:]))
+        gate_up = (torch.device("cuda", torch.cuda.current_device()), 2 * inter, hidden, 1)
+        assert (dense._choice.get(gate_up) is not None) == with_table
+        runs[with_table] = (tokens, gaps)
+        del llm, runner
+        torch.cuda.empty_cache()
+    tuned.load_table.cache_clear()
+    dense._choice.clear()
+    for ref, gaps, got in zip(runs[False][0], runs[False][1], runs[True][0]):
+        assert_greedy_match(ref, gaps, got, what="GEMV table vs cuBLAS")

@@ -21,7 +21,7 @@ def _cases():
     from pagebatch.plugins.attention import triton_kernels as attn
     from pagebatch.quant.kernels import wna16_gemv
 
-    return {  # name: (kernel, pointer types, float scalars, constexprs, loads may precede wait)
+    cases = {  # name: (kernel, pointer types, float scalars, constexprs, loads may precede wait)
         "rms_norm": (norm._rms_norm_kernel, dict(x_ptr=P16, res_ptr=P16, w_ptr=P16,
                                                  out_ptr=P16, res_out_ptr=P16), {"eps"},
                      dict(HAS_RESIDUAL=True, BLOCK=1024), False),
@@ -52,13 +52,19 @@ def _cases():
         "gemv": (gemv._gemv_kernel, dict(x_ptr=P16, w_ptr=P16, b_ptr=P16, out_ptr=P16,
                                          ws_ptr=F32, cnt_ptr=I32), set(),
                  dict(HAS_BIAS=False, SPLIT_K=4, BLOCK_N=16, BLOCK_K=256, EVEN=True,
-                      PREFETCH=True), True),
+                      PREFETCH=True, GATED=False), True),
         "wna16_gemv": (wna16_gemv._wna16_gemv_kernel,
                        dict(x_ptr=P16, q_ptr=I32, s_ptr=P16, z_ptr=P16, out_ptr=P16, ws_ptr=F32,
                             cnt_ptr=I32), set(),
                        dict(BITS=4, SPLIT_K=4, BLOCK_N=64, BLOCK_KP=16, SUB=1, GROUP_SHIFT=0,
-                            EVEN=True, PREFETCH=True), True),
+                            EVEN=True, PREFETCH=True, GATED=False), True),
     }
+    # the gate/up products with SiLU-and-mul in the split-K epilogue (and without split-K)
+    for name, split in (("gemv", 4), ("wna16_gemv", 1)):
+        kernel, ptrs, floats, consts, first = cases[name]
+        cases[name + "_gated"] = (kernel, ptrs, floats, {**consts, "GATED": True,
+                                                         "SPLIT_K": split}, first)
+    return cases
 
 
 def _ptx(kernel, ptrs, floats, consts, on: bool) -> str:
@@ -109,16 +115,19 @@ def test_kernel_waits_before_touching_what_earlier_kernels_wrote(name):
     assert not back, f"a loop ({back[0]}) runs before griddepcontrol.wait"
 
 
-def test_off_unless_asked_for(monkeypatch):
+def test_on_by_default_off_when_asked(monkeypatch):
+    """Asked for unless PAGEBATCH_PDL=0; never on a CPU device whatever the environment."""
     monkeypatch.delenv(pdl.ENV, raising=False)
-    pdl._asked.cache_clear()
-    assert not pdl._asked()
-    assert not pdl.enabled(torch.device("cpu"))
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
-    monkeypatch.setenv(pdl.ENV, "1")
     pdl._asked.cache_clear()
     try:
         assert pdl._asked()
         assert not pdl.enabled(torch.device("cpu"))  # CUDA only
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+        monkeypatch.setenv(pdl.ENV, "0")
+        pdl._asked.cache_clear()
+        assert not pdl._asked()
+        monkeypatch.setenv(pdl.ENV, "1")
+        pdl._asked.cache_clear()
+        assert pdl._asked()
     finally:
         pdl._asked.cache_clear()

@@ -102,6 +102,29 @@ def test_gemv_matches_fp64(m, n, k, bits, gs, block_n, block_kp, split_k, zeros,
             assert not _counters().any()
 
 
+@pytest.mark.parametrize("m,n,k,bits,gs,block_n,block_kp,split_k", [
+    (1, 64, 256, 4, 32, 32, 4, 1),     # 32 outputs, 16 per tile: unmasked
+    (2, 66, 384, 4, 64, 16, 8, 3),     # 33 outputs: the last tile partly out of range
+    (3, 80, 512, 8, 128, 64, 16, 4)])  # 8 bits, one tile wider than the 40 outputs
+def test_gated_gemv_is_silu_mul_of_the_product(m, n, k, bits, gs, block_n, block_kp,
+                                               split_k):
+    """``gated=True``: columns N/2 gate then N/2 up, the epilogue stores silu(gate) * up."""
+    import torch.nn.functional as F
+
+    from pagebatch.quant.kernels.wna16_gemv import wna16_gemv
+
+    x, qw, s, z, ref = _problem(m, n, k, bits, gs, centered=True, seed=n + k)
+    f = 3 / ref.std().item()  # products of std ~3: SiLU far from linear, fp16 far from inf
+    gate, up = (ref * f).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    for _ in range(2):
+        out = wna16_gemv(x, qw, s * f, z, bits, gs, block_n=block_n, block_kp=block_kp,
+                         split_k=split_k, gated=True)
+        assert out.shape == (m, n // 2) and out.dtype == x.dtype
+        assert _rel(out, want) < 2e-3
+    assert not _counters().any()
+
+
 def test_gemv_bad_shapes_raise_value_error():
     from pagebatch.quant.kernels.wna16_gemv import wna16_gemv
 

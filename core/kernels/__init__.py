@@ -8,7 +8,7 @@ the plain torch path). Each module imports Triton, so import one only where it w
 - gemv.py: the 16-bit batch-1 GEMV (where a tuned table says it beats cuBLAS); splitk.py: the
   split-K reduction by the last-arriving program that it, the W4A16 GEMV, the split-KV
   attention merge and argmax.py (the sampler's argmax) share; tuned.py: per-GPU config tables.
-- pdl.py: programmatic dependent launch for these kernels (``PAGEBATCH_PDL=1``).
+- pdl.py: programmatic dependent launch for these kernels (on; ``PAGEBATCH_PDL=0`` turns it off).
 
 Each rounds where its torch version in core/layers/ rounds, so the two agree to fp32 rounding
 (e.g. ``x + residual`` is rounded to x's dtype before it is normalised).

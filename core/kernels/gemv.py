@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .splitk import launch_buffers, splitk_store
+from .splitk import gemv_columns, launch_buffers, splitk_store
 
 
 @triton.jit
@@ -35,12 +35,12 @@ def _w_tile(w_rows, kt, n_ok, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 EVEN: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_n, n_ok = gemv_columns(pid_n, N, BLOCK_N, GATED)  # weight rows
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt_start = pid_k * per_split
@@ -69,20 +69,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
     if HAS_BIAS:  # added once: by the first split's program (its partial goes in the sum)
         if pid_k == 0:
             res += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    splitk_store(res, out_ptr + m * stride_om + offs_n, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N,
-                 offs_n, SPLIT_K)
+    splitk_store(res, out_ptr + m * stride_om, ws_ptr, cnt_ptr, pid_k, m, M, N, n_ok, SPLIT_K,
+                 BLOCK_N, GATED)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          block_n: int, block_k: int, split_k: int = 1, prefetch: bool = False,
-         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+         gated: bool = False, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``x @ weight^T (+ bias)``: x ``[M, K]`` and weight ``[N, K]`` (K contiguous in both)
     fp16/bf16/fp32, bias ``[N]`` or None -> ``[M, N]`` in x's dtype, fp32 accumulation.
     ``prefetch``: each K tile of W is loaded one iteration ahead. Loads are unmasked when K and
-    N are multiples of the tile.
+    N are multiples of the tile. ``gated``: W's rows are N/2 gate then N/2 up ones (Llama's
+    fused gate_up_proj) and the result is SiLU-and-mul of the product, ``[M, N/2]``, each
+    output tile then holding ``block_n / 2`` outputs (splitk.py).
 
-    Raises ValueError when the shapes or dtypes disagree, or the split-K counters would not fit
-    (M * N / block_n > 65536)."""
+    Raises ValueError when the shapes or dtypes disagree, a gated weight has an odd number of
+    rows, or the split-K counters would not fit (M * N / block_n > 65536)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not "
                          f"[M, K] and [N, K]")
@@ -93,11 +95,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} is not contiguous [N={n}]")
-    x, out, ws, cnt, n_tiles = launch_buffers(x, n, block_n, split_k, "gemv")
+    if gated and n % 2:
+        raise ValueError(f"gemv: a gated weight has gate and up rows, N={n} is odd")
+    n_out = n // 2 if gated else n
+    x, out, ws, cnt, n_tiles = launch_buffers(x, n_out, block_n, split_k, "gemv", gated)
     _gemv_kernel[(n_tiles, split_k, m)](
-        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0),
+        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n_out, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=(k % block_k == 0 and n % block_n == 0),
-        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_options(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=(k % block_k == 0 and n_out % (block_n // 2 if gated else block_n) == 0),
+        PREFETCH=bool(prefetch), GATED=bool(gated), num_warps=num_warps,
+        num_stages=num_stages, **pdl.launch_options(x.device))
     return out

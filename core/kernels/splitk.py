@@ -1,10 +1,12 @@
 """Split-K for GEMV-shaped products without extra launches: ``SPLIT_K`` programs share the K
-range of an output tile, each writes its fp32 partial sum to a workspace ``[SPLIT_K, M, N]``,
-and the program that arrives last (an atomic counter per output tile) adds the partials in a
-fixed order, writes the tile in the output dtype and resets its counter to 0 for the next
-launch. No zero-filled buffer, no atomics on the output, no cast kernel: one launch per product
-(at batch 1 a decoder layer is a handful of small products, and each extra launch costs a few
-microseconds). Counters are shared by the launches on a device: launch on one stream only.
+range of an output tile, each writes its fp32 partial sum to a workspace ``[SPLIT_K, M, tiles
+* BLOCK_N]``, and the program that arrives last (an atomic counter per output tile) adds the
+partials in a fixed order, writes the tile in the output dtype and resets its counter to 0 for
+the next launch. No zero-filled buffer, no atomics on the output, no cast kernel: one launch per
+product (at batch 1 a decoder layer is a handful of small products, and each extra launch costs
+a few microseconds). Counters are shared by the launches on a device: launch on one stream
+only. The same epilogue applies SiLU-and-mul to a gate/up product (``GATED``): a decode step's
+MLP then has no activation kernel.
 """
 
 from __future__ import annotations
@@ -34,36 +36,83 @@ def counters_ready(device: torch.device) -> bool:
 
 
 @triton.jit
-def splitk_store(res, out_ptrs, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N, offs_n,
-                 SPLIT_K: tl.constexpr):
+def gemv_columns(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """Program ``pid_n``'s weight columns (or rows) ``[BLOCK_N]`` and which are in range. Gated
+    (a gate/up product whose epilogue applies SiLU-and-mul: the weight's ``2 * N`` outputs are N
+    gate ones then N up ones): gate columns ``pid_n * BLOCK_N/2 + i`` and the same up columns,
+    ``N`` further on, so that each program has both inputs of its ``BLOCK_N/2`` outputs."""
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        col = pid_n * HALF + j % HALF
+        return col + (j // HALF) * N, col < N
+    col = pid_n * BLOCK_N + j
+    return col, col < N
+
+
+@triton.jit
+def _silu_mul(total, dtype, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N]`` fp32 sums (BLOCK_N/2 gates, then their ups) -> silu(gate) * up
+    ``[BLOCK_N/2]``, rounded as the unfused path rounds (products to ``dtype``, SiLU in fp32 of
+    the rounded gate, rounded, times the rounded up): the same values as SiLU-and-mul
+    (core/kernels/activation.py) applied to the product's output."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    g, u = tl.split(tl.permute(tl.reshape(total, (2, HALF)), (1, 0)))
+    g = g.to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return s * u.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def splitk_store(res, out_row, ws_ptr, cnt_ptr, pid_k, m, M, N, n_ok,
+                 SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     """Store this program's fp32 partial ``res`` [BLOCK_N] of row ``m`` (output tile
-    ``program_id(0)``): directly with SPLIT_K == 1, else through the workspace and the
-    last-arrival reduction."""
+    ``program_id(0)``, columns from `gemv_columns`) into ``out_row`` (row m's first output):
+    directly with SPLIT_K == 1, else through the workspace (``[SPLIT_K, M, tiles * BLOCK_N]``)
+    and the last-arrival reduction. ``N``: the outputs; gated, the epilogue stores the tile's
+    BLOCK_N/2 outputs silu(gate) * up."""
+    pid_n = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    total = res
     if SPLIT_K == 1:
-        tl.store(out_ptrs, res.to(out_ptrs.dtype.element_ty), mask=n_ok)
+        last = True
     else:
-        tl.store(ws_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_ok)
+        row_ws = ws_ptr + (pid_k * M + m) * (tl.num_programs(0) * BLOCK_N) + pid_n * BLOCK_N
+        tl.store(row_ws + j, res, mask=n_ok)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
-        cnt = cnt_ptr + m * tl.num_programs(0) + tl.program_id(0)
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of this tile's programs: add the partials
+        last = arrived == SPLIT_K - 1
+        if last:  # the last of this tile's programs: add the partials
             total = tl.zeros_like(res)
+            step = M * (tl.num_programs(0) * BLOCK_N)
             for p in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + (p * M + m) * N + offs_n, mask=n_ok, other=0.0,
+                total += tl.load(row_ws + (p - pid_k) * step + j, mask=n_ok, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=n_ok)
             tl.atomic_xchg(cnt, 0)
+    if last:
+        dtype = out_row.dtype.element_ty
+        if GATED:
+            HALF: tl.constexpr = BLOCK_N // 2
+            cols = pid_n * HALF + tl.arange(0, HALF)
+            tl.store(out_row + cols, _silu_mul(total, dtype, BLOCK_N).to(dtype), mask=cols < N)
+        else:
+            tl.store(out_row + pid_n * BLOCK_N + j, total.to(dtype), mask=n_ok)
 
 
-def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: str):
-    """For a GEMV launch over ``x`` [M, K]: (x contiguous, out [M, n] in x's dtype, workspace,
-    counters, number of output tiles). The workspace is fp32 ``[split_k, M, n]`` and the
+def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: str,
+                   gated: bool = False):
+    """For a GEMV launch over ``x`` [M, K] with ``n`` outputs: (x contiguous, out [M, n] in x's
+    dtype, workspace, counters, number of output tiles: ``n / block_n``, gated ``n /
+    (block_n / 2)``). The workspace is fp32 ``[split_k, M, tiles * block_n]`` and the
     counters the device's (both ``out`` placeholders when ``split_k == 1``).
 
     Raises ValueError when split-K needs more counters (M x the output tiles) than there
-    are."""
+    are, or a gated tile has fewer than 2 columns."""
     m = x.shape[0]
-    n_tiles = triton.cdiv(n, block_n)
+    if gated and block_n < 2:
+        raise ValueError(f"{what}: a gated product needs block_n >= 2, got {block_n}")
+    n_tiles = triton.cdiv(n, block_n // 2 if gated else block_n)
     if split_k > 1 and m * n_tiles > MAX_COUNTERS:
         raise ValueError(f"{what}: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} "
                          f"split-K counters")
@@ -71,5 +120,5 @@ def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: st
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if split_k == 1:
         return x, out, out, out, n_tiles
-    ws = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+    ws = torch.empty(split_k, m, n_tiles * block_n, device=x.device, dtype=torch.float32)
     return x, out, ws, counter_buffer(x.device), n_tiles

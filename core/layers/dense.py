@@ -39,6 +39,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
+def dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """SiLU-and-mul of ``x @ W^T (+ bias)`` for W ``[2 * D, K]`` (D gate rows, then D up rows)
+    as one GEMV launch: x ``[M, K]`` -> ``[M, D]``, where the table chose the GEMV for W's shape
+    and M rows; None elsewhere (the caller runs the product and the activation)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.dtype == weight.dtype:
+        key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
+        cfg = _choice.get(key, False)
+        if cfg is False:
+            cfg = _choice[key] = _lookup(*key)
+        if cfg is not None:
+            return _kernels["gemv"](x, weight, bias, gated=True, **cfg)
+    return None
+
+
 def _lookup(device: torch.device, n: int, k: int, m: int) -> dict | None:
     """The GEMV's launch parameters where the table chose it, else None (cuBLAS)."""
     cfg = _modules()["lookup"]("dense_gemv", device, gemv_key(n, k), m)

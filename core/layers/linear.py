@@ -91,6 +91,13 @@ class QuantMethod(ABC):
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, input_size] -> [num_tokens, sum(output_sizes)] (this rank's)."""
 
+    def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        """Optional fusion: for a layer whose two output shards are gate and up (of equal
+        size D), ``silu(gate) * up`` of the product in one kernel, x ``[T, input_size]`` ->
+        ``[T, D]``; None where the method has no such kernel for these inputs (the default),
+        and the caller runs `apply` and the activation."""
+        return None
+
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         """Repack once after every tensor is loaded (e.g. transpose for a kernel)."""
 
@@ -210,6 +217,15 @@ class LinearBase(nn.Module):
         if name == "bias" and self.parallel == "row" and self.tp_rank > 0:
             tensor = torch.zeros_like(tensor)  # added once: by rank 0, before the all-reduce
         self.quant_method.load_weight(self, name, tensor, shard)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate/up layer (two equal output shards, not row-parallel): SiLU-and-mul of
+        the product ``[T, D]`` where the quant method fuses it (`QuantMethod.apply_silu_mul`),
+        else None."""
+        if self.parallel == "row" or len(self.output_sizes) != 2 or (
+                self.output_sizes[0] != self.output_sizes[1]):
+            return None
+        return self.quant_method.apply_silu_mul(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)

@@ -95,7 +95,12 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # at decode sizes the gate_up GEMV applies the activation in its epilogue where the
+        # quant method can (no activation kernel); else the product, then the activation
+        h = self.gate_up_proj.forward_silu_mul(x)
+        if h is None:
+            h = self.act(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -220,6 +220,26 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
+def wna16_matmul_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          zeros: torch.Tensor, bits: int, group_size: int
+                          ) -> torch.Tensor | None:
+    """SiLU-and-mul of ``x @ W^T`` for W's ``2 * D`` columns (D gate, then D up) as one launch
+    of the CUDA-core GEMV (its gated epilogue): x [M, K] -> [M, D]. None where the product's
+    config (the same as the plain product's, `pick_config`) is not the GEMV: the caller then
+    runs the product and the activation."""
+    m = x.shape[0]
+    if m == 0 or group_size <= 0 or m > DECODE_MAX_M:
+        return None
+    key = (m, qweight.shape[1], x.shape[1], group_size, False, x.device, bits)
+    cfg = _chosen.get(key)
+    if cfg is None:
+        cfg = _chosen[key] = pick_config(*key)
+    if cfg.get("kernel") != "gemv":
+        return None
+    params = {k: v for k, v in cfg.items() if k != "kernel"}
+    return wna16_gemv(x, qweight, scales, zeros, bits, group_size, gated=True, **params)
+
+
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, bits: int, group_size: int,
                  g_idx: torch.Tensor | None = None, dense_min_m: int = DENSE_MIN_M

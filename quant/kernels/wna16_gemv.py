@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from pagebatch.kernels import pdl
-from pagebatch.kernels.splitk import launch_buffers, splitk_store
+from pagebatch.kernels.splitk import gemv_columns, launch_buffers, splitk_store
 
 
 @triton.jit
@@ -92,7 +92,8 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                        mask_lo, mask_hi, expo_lo, expo_hi,
                        BITS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_KP: tl.constexpr, SUB: tl.constexpr, GROUP_SHIFT: tl.constexpr,
-                       EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       EVEN: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr,
+                       PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -101,8 +102,7 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     # mantissa, where the float bases 2**(23 - off) are smallest (2**8, 2**4)
     PER: tl.constexpr = 2 if BITS == 4 else 1
     BLOCK_K: tl.constexpr = BLOCK_KP * PF  # inputs of one sub-tile (inside one group)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_n, n_ok = gemv_columns(pid_n, N, BLOCK_N, GATED)  # weight columns
     offs_s = tl.arange(0, SUB)
     offs_r = tl.arange(0, BLOCK_KP)
     # one iteration loads SUB sub-tiles [SUB, BLOCK_KP, BLOCK_N] at once (more bytes in flight
@@ -161,8 +161,8 @@ def _wna16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc += part * s
     pdl.launch_dependents(PDL)
     res = tl.sum(tl.sum(acc, axis=1), axis=0)
-    splitk_store(res, out_ptr + m * stride_om + offs_n, n_ok, ws_ptr, cnt_ptr, pid_k, m, M, N,
-                 offs_n, SPLIT_K)
+    splitk_store(res, out_ptr + m * stride_om, ws_ptr, cnt_ptr, pid_k, m, M, N, n_ok, SPLIT_K,
+                 BLOCK_N, GATED)
 
 
 def gemv_supported(bits: int, group_size: int, block_kp: int, has_g_idx: bool) -> bool:
@@ -174,15 +174,17 @@ def gemv_supported(bits: int, group_size: int, block_kp: int, has_g_idx: bool) -
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int, *, block_n: int,
                block_kp: int, split_k: int = 1, sub_tiles: int = 1, prefetch: bool = False,
-               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               gated: bool = False, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``x @ W^T``: x ``[M, K]`` fp16/bf16/fp32 (rows contiguous), qweight int32
     ``[K*bits/32, N]``, scales/zeros ``[G, N]`` -> ``[M, N]`` in x's dtype. ``block_kp`` packed
     rows per K sub-tile (``block_kp * 32/bits`` inputs, which must divide ``group_size``);
     ``sub_tiles`` consecutive sub-tiles (a power of two) are loaded per loop iteration;
-    ``prefetch`` loads the next iteration's before this one's are used.
+    ``prefetch`` loads the next iteration's before this one's are used. ``gated``: W's columns
+    are N/2 gate then N/2 up ones and the result is SiLU-and-mul of the product, ``[M, N/2]``
+    (core/kernels/splitk.py).
 
-    Raises ValueError when the shapes disagree, the tile straddles groups, or the split-K
-    counters would not fit (M * N / block_n > 65536)."""
+    Raises ValueError when the shapes disagree, the tile straddles groups, a gated N is odd, or
+    the split-K counters would not fit (M * N / block_n > 65536)."""
     if bits not in (4, 8):
         raise ValueError(f"GEMV: bits={bits}; 4 and 8 are supported")
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -208,17 +210,21 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GEMV: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
                          f"(strides {scales.stride()}, {zeros.stride()}) must be [>= {groups}, "
                          f"{n}] alike with unit column stride, qweight unit column stride")
-    x, out, ws, cnt, n_tiles = launch_buffers(x, n, block_n, split_k, "GEMV")
+    if gated and n % 2:
+        raise ValueError(f"GEMV: a gated weight has gate and up columns, N={n} is odd")
+    n_out = n // 2 if gated else n
+    x, out, ws, cnt, n_tiles = launch_buffers(x, n_out, block_n, split_k, "GEMV", gated)
     block_k = block_kp * pf
     tiles_per_group = group_size // block_k
     shift = tiles_per_group.bit_length() - 1 if tiles_per_group & (tiles_per_group - 1) == 0 else -1
     lo, hi = 15, 15 + bits  # the two field positions after a word's shift (one at 8 bits)
     _wna16_gemv_kernel[(n_tiles, split_k, m)](
-        x, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, x.stride(0),
+        x, qweight, scales, zeros, out, ws, cnt, m, n_out, k, group_size, x.stride(0),
         qweight.stride(0), scales.stride(0), out.stride(0),
         ((1 << bits) - 1) << lo, ((1 << bits) - 1) << hi, (150 - lo) << 23, (150 - hi) << 23,
         BITS=bits, SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_KP=block_kp, SUB=sub_tiles,
-        GROUP_SHIFT=shift, EVEN=(k % (block_k * sub_tiles) == 0 and n % block_n == 0),
-        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        GROUP_SHIFT=shift,
+        EVEN=(k % (block_k * sub_tiles) == 0 and n_out % (block_n // 2 if gated else block_n) == 0),
+        PREFETCH=bool(prefetch), GATED=bool(gated), num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(x.device))
     return out
