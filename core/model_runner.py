@@ -88,6 +88,8 @@ class ModelRunner:
         quant_name, hf_quant = select_quantization(config.quantization, hf_config,
                                                    source.folder)
         quant = registry.quant_method(quant_name)(config, hf_quant)
+        if config.custom_all_reduce and self.parallel.tp_size > 1:
+            self._set_up_fused_all_reduce(int(hf_config.hidden_size))
         ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len,
                            self.parallel)
         model_cls = registry.model_class(architecture(hf_config))
@@ -115,6 +117,20 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self._prompt_lp_ids: set[str] = set()  # requests that want prompt log-probs
+
+    def _set_up_fused_all_reduce(self, hidden: int) -> None:
+        """``custom_all_reduce``: the model's row-parallel layers leave their all-reduce to the
+        RMSNorm after them; on CUDA through the one-shot kernel (core/kernels/allreduce.py)
+        where symmetric memory can be set up (collective over the TP group)."""
+        from .distributed.custom_allreduce import create_one_shot
+
+        par = self.parallel
+        par.fuse_all_reduce_norm = True
+        par.one_shot = create_one_shot(par.tp_group, hidden, self.dtype, self.device)
+        how = (f"the one-shot kernel up to {par.one_shot.max_rows} tokens"
+               if par.one_shot is not None else "an all-reduce, then the norm")
+        logger.info("custom_all_reduce: row-parallel all-reduces fused with the next RMSNorm "
+                    "(%s)", how)
 
     def _load_weights(self, source: ModelSource) -> None:
         if self.config.load_format == "dummy":

@@ -1,6 +1,9 @@
 """All-reduce latency on two GPUs (device kind nvidia-h200-x2): NCCL against torch's
-symmetric-memory one-shot and two-shot all-reduce, each captured 64 times in one CUDA graph
-(as a TP=2 decode step on the Llama-3.1-8B shape has 64 all-reduces of [tokens, 4096] bf16).
+symmetric-memory one-shot and two-shot all-reduce and pagebatch's Triton one-shot kernel
+(core/kernels/allreduce.py), alone and fused with the residual add + RMSNorm that follows
+(against NCCL then the norm kernel: what ``custom_all_reduce`` replaces), each captured 64 times
+in one CUDA graph (as a TP=2 decode step on the Llama-3.1-8B shape has 64 all-reduces of
+[tokens, 4096] bf16).
 
     python3 scripts/bench_allreduce.py [--tokens 1,8,64]
 
@@ -58,8 +61,16 @@ def worker(rank: int, world: int, port: int, tokens: list[int], q) -> None:
         symm = buf
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         rows.append(("symm_mem rendezvous", 0, float("nan"), f"{type(e).__name__}: {e}"[:120]))
+    from pagebatch.distributed.custom_allreduce import create_one_shot
+    from pagebatch.kernels.norm import rms_norm
+
+    ours = create_one_shot(group, HIDDEN, torch.bfloat16, torch.device("cuda", rank))
+    if ours is None:
+        rows.append(("triton one-shot", 0, float("nan"), "set-up failed (see the log)"))
+    weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
     for t in tokens:
         x = torch.full((t, HIDDEN), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+        residual = torch.zeros_like(x)
         want = float(world * (world + 1) // 2)
 
         def nccl(x):
@@ -81,6 +92,18 @@ def worker(rank: int, world: int, port: int, tokens: list[int], q) -> None:
                 return symm[:n].clone()
 
             variants += [("symm one_shot", one_shot), ("symm two_shot", two_shot)]
+        if ours is not None and ours.fits(x):
+            variants.append(("triton one-shot", ours.all_reduce))
+        fused = []  # (name, fn): all-reduce + residual add + RMSNorm, the sum's residual out
+
+        def nccl_norm(x):
+            return rms_norm(nccl(x), weight, 1e-6, residual)[1]
+
+        fused.append(("nccl + norm", nccl_norm))
+        if ours is not None and ours.fits(x):
+            fused.append(("triton fused", lambda x: ours.all_reduce_add_rms_norm(
+                x, residual, weight, 1e-6)[1]))
+        variants += fused
         for name, fn in variants:
             try:
                 us, out = timed_graph(fn, x)

@@ -46,6 +46,7 @@ def test_unquantized_declines_on_the_cpu():
 def test_llama_mlp_uses_the_fused_path_and_falls_back():
     from types import SimpleNamespace
 
+    from pagebatch.distributed.parallel_state import ParallelContext
     from pagebatch.plugins.models.llama import LlamaMLP
 
     cfg = SimpleNamespace(hidden_size=12, intermediate_size=8)
@@ -54,7 +55,7 @@ def test_llama_mlp_uses_the_fused_path_and_falls_back():
     outs = []
     for method in (_Fused(), UnquantizedMethod()):
         ctx = SimpleNamespace(quant_method=method, dtype=torch.float32,
-                              device=torch.device("cpu"), parallel=None)
+                              device=torch.device("cpu"), parallel=ParallelContext.single())
         torch.manual_seed(0)
         mlp = LlamaMLP(cfg, ctx)
         for lin in (mlp.gate_up_proj, mlp.down_proj):

@@ -28,10 +28,11 @@ from tiny import engine_config
 ENGINE_KEYS = dict(device="cpu", dtype="float32", num_kv_blocks=40, block_size=4,
                    max_model_len=128, max_num_batched_tokens=24, max_num_seqs=8)
 MAX_TOKENS = 12
-# (tensor_parallel_size, pipeline_parallel_size, async_scheduling, pipeline_micro_batches): TP
-# with asynchronous scheduling (every rank fills in the decodes' input tokens from its own
-# samples); TP x PP with one micro-batch more than stages
-LAYOUTS = [(2, 1, True, None), (1, 2, False, None), (2, 2, False, 3)]
+# (tensor_parallel_size, pipeline_parallel_size, async_scheduling, pipeline_micro_batches,
+# custom_all_reduce): TP with asynchronous scheduling (every rank fills in the decodes' input
+# tokens from its own samples); TP x PP with one micro-batch more than stages, and the
+# row-parallel all-reduces left to the norms after them (partial sums across the stage boundary)
+LAYOUTS = [(2, 1, True, None, False), (1, 2, False, None, False), (2, 2, False, 3, True)]
 
 tiny_config = partial(engine_config, keys=ENGINE_KEYS)
 
@@ -99,16 +100,17 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module", params=LAYOUTS,
                 ids=lambda p: f"tp{p[0]}-pp{p[1]}" + ("-async" if p[2] else "")
-                + (f"-mb{p[3]}" if p[3] else ""))
+                + (f"-mb{p[3]}" if p[3] else "") + ("-fused-ar" if p[4] else ""))
 def parallel_core(request, tiny_model_dir):
-    tp, pp, asynchronous, micro_batches = request.param
+    tp, pp, asynchronous, micro_batches, fused_all_reduce = request.param
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with one_thread_children():
             core = EngineCore.from_config(tiny_config(
                 tiny_model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                async_scheduling=asynchronous, pipeline_micro_batches=micro_batches))
+                async_scheduling=asynchronous, pipeline_micro_batches=micro_batches,
+                custom_all_reduce=fused_all_reduce))
         yield core
         core.shutdown()
     finally:
@@ -137,6 +139,12 @@ def test_parallel_greedy_equals_single_rank(parallel_core, reference):
         2 if cfg.async_scheduling else 1)
     assert core.scheduler.num_micro_batches == (in_flight if cfg.pipeline_parallel_size > 1
                                                 else 1)
+    # custom_all_reduce: the norms reduce the row-parallel layers' partial sums (on gloo as an
+    # all-reduce, then the norm: the one-shot kernel is CUDA's)
+    layer = core.runner.model.layers[0]
+    assert layer.mlp.down_proj.reduce_results is not cfg.custom_all_reduce
+    assert (layer.post_attention_layernorm.tp is not None) is cfg.custom_all_reduce
+    assert core.runner.parallel.one_shot is None
 
 
 def test_parallel_runs_again_with_abort(parallel_core, reference):

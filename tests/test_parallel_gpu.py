@@ -1,5 +1,6 @@
 """Tensor and pipeline parallelism on two GPUs (NCCL): TP=2 (CUDA graphs with the all-reduce
-captured, asynchronous scheduling) and PP=2 (each stage's decode steps in CUDA graphs) give one
+captured, asynchronous scheduling; and with ``custom_all_reduce``, the one-shot kernel fused
+with the norms) and PP=2 (each stage's decode steps in CUDA graphs) give one
 GPU's eager greedy tokens (fp32, near-tie rule) for a batch of mixed lengths with prefix-cache
 hits and chunked prefill. Skips without two CUDA devices (device kind nvidia-h200-x2)."""
 
@@ -32,7 +33,7 @@ def _generate(folder, prompts, **keys):
             gaps = [top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:])
                     for p, t in zip(prompts, tokens)]
         replays = runner.graphs.num_replays if runner.graphs is not None else 0
-        return tokens, gaps, replays
+        return tokens, gaps, replays, runner.parallel.one_shot is not None
     finally:
         llm.engine.shutdown()
         torch.cuda.empty_cache()
@@ -50,11 +51,16 @@ def test_tp2_and_pp2_greedy_equal_one_gpu(tmp_path):
     prompts = [[rng.randint(3, 255) for _ in range(rng.randint(1, 400))] for _ in range(16)]
     prompts += [shared + [rng.randint(3, 255) for _ in range(rng.randint(1, 50))]
                 for _ in range(8)]
-    ref, gaps, _ = _generate(folder, prompts, enforce_eager=True, async_scheduling=False)
-    tp_tokens, _, tp_replays = _generate(folder, prompts, tensor_parallel_size=2)
+    ref, gaps, _, _ = _generate(folder, prompts, enforce_eager=True, async_scheduling=False)
+    tp_tokens, _, tp_replays, _ = _generate(folder, prompts, tensor_parallel_size=2)
     assert tp_replays > 20, "TP decode steps should replay CUDA graphs"
-    pp_tokens, _, pp_replays = _generate(folder, prompts, pipeline_parallel_size=2)
+    pp_tokens, _, pp_replays, _ = _generate(folder, prompts, pipeline_parallel_size=2)
     assert pp_replays > 20, "PP decode steps should replay each stage's CUDA graphs"
+    # the one-shot all-reduce fused with the norms (every batch of this workload fits it)
+    ar_tokens, _, ar_replays, one_shot = _generate(folder, prompts, tensor_parallel_size=2,
+                                                   custom_all_reduce=True)
+    assert one_shot and ar_replays > 20
     for i, (r, g) in enumerate(zip(ref, gaps)):
         assert_greedy_match(r, g, tp_tokens[i], what=f"tp2 prompt {i}")
         assert_greedy_match(r, g, pp_tokens[i], what=f"pp2 prompt {i}")
+        assert_greedy_match(r, g, ar_tokens[i], what=f"tp2 custom_all_reduce prompt {i}")

@@ -17,7 +17,7 @@ P16, F32, I32, I64 = "*fp16", "*fp32", "*i32", "*i64"
 
 
 def _cases():
-    from pagebatch.kernels import activation, gemv, norm, rotary
+    from pagebatch.kernels import activation, allreduce, gemv, norm, rotary
     from pagebatch.plugins.attention import triton_kernels as attn
     from pagebatch.quant.kernels import wna16_gemv
 
@@ -59,6 +59,11 @@ def _cases():
                        dict(BITS=4, SPLIT_K=4, BLOCK_N=64, BLOCK_KP=16, SUB=1, GROUP_SHIFT=0,
                             EVEN=True, PREFETCH=True, GATED=False), True),
     }
+    cases["one_shot_all_reduce"] = (
+        allreduce._one_shot_kernel,
+        dict(x_ptr=P16, res_ptr=P16, w_ptr=P16, out_ptr=P16, res_out_ptr=P16, buf_ptr=P16,
+             peer_offs_ptr=I64, sigs_ptr=I64, epoch_ptr=I64), {"eps"},
+        dict(WORLD=2, BLOCK=4096, NORM=True, EVEN=True), False)
     # the gate/up products with SiLU-and-mul in the split-K epilogue (and without split-K)
     for name, split in (("gemv", 4), ("wna16_gemv", 1)):
         kernel, ptrs, floats, consts, first = cases[name]

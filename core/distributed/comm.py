@@ -15,8 +15,13 @@ import torch.distributed as dist
 
 
 def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum of ``x`` over ``group`` (None: the world), in place; returns ``x``. Every rank gets
-    the same bits (the reduced tensor is broadcast), so ranks that go on from it stay equal."""
+    """Sum of ``x`` over ``group`` (None: the world), in place when ``x`` is contiguous, else
+    in a contiguous copy (a backend may reduce a strided view's copy and leave the view as it
+    was: a pipeline stage's received hidden states are such a view); returns the sum. Every
+    rank gets the same bits (the reduced tensor is broadcast), so ranks that go on from it stay
+    equal."""
+    if not x.is_contiguous():
+        x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 

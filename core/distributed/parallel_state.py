@@ -44,6 +44,11 @@ class ParallelContext:
     tp_group: Any = None
     world_group: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # config custom_all_reduce: row-parallel layers leave their all-reduce to the next RMSNorm
+    # (core/layers/norm.py); `one_shot` is the fused kernel's all-reduce where it could be set
+    # up (core/distributed/custom_allreduce.py; CUDA), else None (NCCL / gloo, then the norm)
+    fuse_all_reduce_norm: bool = False
+    one_shot: Any = None
     _pending_sends: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -91,6 +96,15 @@ class ParallelContext:
         if self.tp_size == 1:
             return x
         return all_reduce(x, self.tp_group)
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float):
+        """(norm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one kernel
+        where the one-shot all-reduce takes ``x`` (CUDA, small batches); None elsewhere, and
+        the caller all-reduces and normalizes."""
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot.all_reduce_add_rms_norm(x, residual, weight, eps)
+        return None
 
     def tp_all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """TP ranks' ``x`` concatenated along ``dim`` in rank order; identity when tp_size == 1."""

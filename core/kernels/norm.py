@@ -20,15 +20,31 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     pdl.launch_dependents(PDL)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's x + r
-        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        x = add_residual(x, res_ptr + row * stride_r, res_out_ptr + row * stride_ro, offs, mask)
+    tl.store(out_ptr + row * stride_o + offs,
+             rms_norm_row(x, w_ptr, offs, mask, n_cols, eps, out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def add_residual(x, res_ptr, res_out_ptr, offs, mask):
+    """``x + residual`` of a row, rounded to x's dtype as torch's ``x + r`` is, and stored as
+    the new residual."""
+    r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(res_out_ptr + offs, x, mask=mask)
+    return x
+
+
+@triton.jit
+def rms_norm_row(x, w_ptr, offs, mask, n_cols, eps, out_dtype):
+    """RMSNorm of one row ``x`` [BLOCK] (masked lanes 0) times the weight, in ``out_dtype``:
+    computed in fp32 in Hugging Face's order (normalise, cast to x's dtype, then scale)."""
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (xf * rstd).to(x.dtype)  # Hugging Face's order: normalise, cast, then scale
+    y = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs,
-             (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(out_dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """``x @ W^T (+ bias)`` for 16-bit weights ``[N, K]``: torch's ``F.linear`` (cuBLAS), except at
 decode sizes on a GPU whose tuned table (core/kernels/tuned.py, kernel ``dense_gemv``) measured
 the Triton GEMV of core/kernels/gemv.py faster for this shape and row count. Without a table
-entry nothing changes; the lookup is skipped for more than ``GEMV_MAX_M`` rows (prefill)."""
+entry nothing changes; the lookup is skipped for more than ``GEMV_MAX_M`` rows (prefill).
+`dense_linear_silu_mul` is the gate/up variant whose GEMV applies SiLU-and-mul in its epilogue
+(None where the table did not choose the GEMV)."""
 
 from __future__ import annotations
 
@@ -29,13 +31,9 @@ def gemv_key(n: int, k: int) -> str:
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes)."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.dtype == weight.dtype:
-        key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
-        cfg = _choice.get(key, False)
-        if cfg is False:  # first call for this shape: ask the table once
-            cfg = _choice[key] = _lookup(*key)
-        if cfg is not None:
-            return _kernels["gemv"](x, weight, bias, **cfg)
+    cfg = _gemv_config(x, weight)
+    if cfg is not None:
+        return _kernels["gemv"](x, weight, bias, **cfg)
     return F.linear(x, weight, bias)
 
 
@@ -44,14 +42,23 @@ def dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     """SiLU-and-mul of ``x @ W^T (+ bias)`` for W ``[2 * D, K]`` (D gate rows, then D up rows)
     as one GEMV launch: x ``[M, K]`` -> ``[M, D]``, where the table chose the GEMV for W's shape
     and M rows; None elsewhere (the caller runs the product and the activation)."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.dtype == weight.dtype:
-        key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
-        cfg = _choice.get(key, False)
-        if cfg is False:
-            cfg = _choice[key] = _lookup(*key)
-        if cfg is not None:
-            return _kernels["gemv"](x, weight, bias, gated=True, **cfg)
+    cfg = _gemv_config(x, weight)
+    if cfg is not None:
+        return _kernels["gemv"](x, weight, bias, gated=True, **cfg)
     return None
+
+
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The GEMV's parameters for this product, or None (cuBLAS): the table is asked once per
+    (device, N, K, M), only for CUDA inputs of at most GEMV_MAX_M rows in W's dtype."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M
+            and x.dtype == weight.dtype):
+        return None
+    key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
+    cfg = _choice.get(key, False)
+    if cfg is False:  # first call for this shape
+        cfg = _choice[key] = _lookup(*key)
+    return cfg
 
 
 def _lookup(device: torch.device, n: int, k: int, m: int) -> dict | None:

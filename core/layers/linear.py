@@ -149,19 +149,24 @@ class LinearBase(nn.Module):
     ``input_size`` / ``output_sizes``: the checkpoint's sizes. ``parallel``: None, "column" or
     "row" (see the module docstring); ``tp``: the `ParallelContext` (None: a single rank);
     ``output_ranges``: a column-parallel layer's (start, length) per output shard (default: an
-    even split). After construction ``input_size``, ``output_sizes`` and ``output_size`` are
-    this rank's; ``full_input_size`` / ``full_output_sizes`` the checkpoint's.
+    even split). ``reduce_results=False``: a row-parallel layer returns this rank's partial
+    sum, which the caller reduces (an RMSNorm built with ``tp``, core/layers/norm.py, fuses
+    that all-reduce with its residual add). After construction ``input_size``,
+    ``output_sizes`` and ``output_size`` are this rank's; ``full_input_size`` /
+    ``full_output_sizes`` the checkpoint's.
     Raises ValueError when the sizes do not split over the TP ranks.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
                  quant_method: QuantMethod, dtype: torch.dtype, device: torch.device, *,
                  parallel: str | None = None, tp: "ParallelContext | None" = None,
-                 output_ranges: list[tuple[int, int]] | None = None):
+                 output_ranges: list[tuple[int, int]] | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         if parallel not in PARALLEL_KINDS:
             raise ValueError(f"parallel={parallel!r}; allowed: {list(PARALLEL_KINDS)}")
         self.tp = tp
+        self.reduce_results = reduce_results
         self.tp_rank = tp.tp_rank if tp is not None else 0
         self.tp_size = tp.tp_size if tp is not None else 1
         self.parallel = parallel if self.tp_size > 1 else None
@@ -229,6 +234,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
-        if self.parallel == "row":
+        if self.parallel == "row" and self.reduce_results:
             y = self.tp.tp_all_reduce(y)
         return y

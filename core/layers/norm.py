@@ -7,9 +7,17 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    """``tp``: under tensor parallelism, the context whose ranks' partial sums ``x`` is when a
+    residual is given (the row-parallel layer before it built with ``reduce_results=False``):
+    the all-reduce then happens here, fused with the residual add and the norm where
+    `ParallelContext.all_reduce_rms_norm` can (the one-shot kernel), else as an all-reduce
+    followed by the norm. Without a residual (the first layer's input), x is whole."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 tp=None):
         super().__init__()
         self.eps = eps
+        self.tp = tp if tp is not None and tp.tp_size > 1 else None
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
 
@@ -17,6 +25,11 @@ class RMSNorm(nn.Module):
         """x: [num_tokens, hidden]. With ``residual``, returns (norm(x + residual), x + residual);
         without, returns norm(x). Computed in fp32, returned in x's dtype. On CUDA one fused
         Triton kernel (core/kernels/norm.py) does it."""
+        if self.tp is not None and residual is not None:
+            fused = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = self.tp.tp_all_reduce(x)
         if x.is_cuda:
             from ..kernels.norm import rms_norm
 

@@ -6,6 +6,11 @@ Weights load by Hugging Face tensor names; q/k/v and gate/up are fused into one 
 Tensor parallel (Megatron-LM): qkv_proj and gate_up_proj are column-parallel (each rank holds
 its heads / its slice of the MLP width; KV heads are replicated when fewer than the ranks),
 o_proj and down_proj row-parallel (all-reduced), the embedding and LM head vocab-parallel.
+With ``custom_all_reduce`` the row-parallel layers return partial sums and the RMSNorm after
+each (the next layer's, or the final one) all-reduces them together with its residual add
+(core/layers/norm.py); a pipeline stage then sends its last partial sum on, and the next
+stage's first norm reduces it over its own TP ranks (rank i of a stage sends to rank i of the
+next, so the sum is the same).
 Pipeline parallel: the model holds only its stage's layers (``ctx.parallel.stage_layers``); the
 first stage embeds, the others receive (hidden, residual) from the previous stage; every stage
 but the last sends its output on and returns None.
@@ -31,8 +36,17 @@ from pagebatch.layers.vocab import LMHead, VocabEmbedding
 
 def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool, parallel: str,
             output_ranges: list[tuple[int, int]] | None = None) -> LinearBase:
+    fused = parallel == "row" and ctx.parallel.fuse_all_reduce_norm  # reduced by the next norm
     return LinearBase(n_in, outs, bias, ctx.quant_method, ctx.dtype, ctx.device,
-                      parallel=parallel, tp=ctx.parallel, output_ranges=output_ranges)
+                      parallel=parallel, tp=ctx.parallel, output_ranges=output_ranges,
+                      reduce_results=not fused)
+
+
+def _norm(ctx: ModelContext, hidden: int, eps: float) -> RMSNorm:
+    """A norm that follows a row-parallel layer (through the residual stream)."""
+    par = ctx.parallel
+    return RMSNorm(hidden, eps, ctx.dtype, ctx.device,
+                   tp=par if par.fuse_all_reduce_norm else None)
 
 
 class LlamaAttention(nn.Module):
@@ -110,8 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         self.self_attn = attention_cls(cfg, ctx)
         self.mlp = LlamaMLP(cfg, ctx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ctx.dtype, ctx.device)
+        self.input_layernorm = _norm(ctx, cfg.hidden_size, eps)
+        self.post_attention_layernorm = _norm(ctx, cfg.hidden_size, eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:
@@ -152,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(self.start_layer, self.end_layer))
         self.norm = self.lm_head = None
         if par.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+            self.norm = _norm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
             tied = self.embed_tokens if self.tie_word_embeddings else None
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
                                   tied_to=tied, tp=par)
