@@ -17,7 +17,9 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            timed as the tuner times (session 6: slower than the W4A16 GEMV on every shape)
   --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
            the fastest per shape and M written to DIR as the tuned table that pick_config reads
-           (core/kernels/tuned.py; commit it under core/kernels/configs/)
+           (core/kernels/tuned.py; commit it under core/kernels/configs/). Both tunings time
+           the gate/up shapes as decode runs them: the GEMV with SiLU-and-mul in its epilogue
+           against the other paths followed by the activation kernel (GATED_SHAPES)
 
 Every case first checks its result against the dequantized reference. Times are medians of CUDA
 graph replays (triton.testing.do_bench_cudagraph), as decode steps run under CUDA graphs.
@@ -186,6 +188,21 @@ def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
 
 
 L2_FLUSH_BYTES = 256 * 2**20  # five times the H200's 50 MB L2
+# the gate/up projections: at decode sizes the GEMV applies SiLU-and-mul in its epilogue
+# (gated=True), the other paths are followed by the activation kernel; tuned that way (session
+# 6: a W4A16 table tuned on the plain product was slower end to end, 362.3 vs 377.1 tok/s)
+GATED_SHAPES = {"gate_up", "8b.gate_up", "1b.gate_up", "8b-tp2.gate_up"}
+
+
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    from pagebatch.kernels.activation import silu_and_mul as kernel
+
+    return kernel(y)
+
+
+def _silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotating(make, nbytes: int):
@@ -258,11 +275,18 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
         next_args = _rotating(lambda i: tuple(t if i == 0 else t.clone() for t in tensors),
                               sum(t.numel() * t.element_size() for t in tensors))
 
-        def run(cfg):
-            return kern.run_config(x, *next_args(), bits, gs, None, cfg)
+        gated = shape in GATED_SHAPES  # decode runs it through the gated GEMV (or + SiLU)
 
+        def run(cfg, gated=gated):
+            if gated and cfg["kernel"] == "gemv":
+                params = {key: v for key, v in cfg.items() if key != "kernel"}
+                return kern.wna16_gemv(x, *next_args(), bits, gs, gated=True, **params)
+            out = kern.run_config(x, *next_args(), bits, gs, None, cfg)
+            return silu_and_mul(out) if gated else out
+
+        ref = reference(layer, x)
         results = _time_candidates(_candidates(m, bits, gs), run,
-                                   _rel_ok(reference(layer, x), 2e-2))
+                                   _rel_ok(_silu_mul_ref(ref) if gated else ref, 2e-2))
         if not results:
             print(f"  {shape:8s} M={m:3d} no config ran")
             continue
@@ -300,7 +324,8 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...],
     """The 16-bit GEMV (core/kernels/gemv.py) against cuBLAS (``F.linear``) at decode sizes of
     the 8B and 1B shapes: every candidate checked against the reference before and after its
     timed replays; the fastest of all (cuBLAS included) kept per shape and M, written as the
-    ``dense_gemv`` table that core/layers/dense.py reads. ``only``: shape-name prefixes to
+    ``dense_gemv`` table that core/layers/dense.py reads. The gate/up shapes are timed as decode
+    runs them: the gated GEMV against cuBLAS + the SiLU-and-mul kernel. ``only``: prefixes to
     tune (e.g. ``8b-tp2.``; default all)."""
     from pagebatch.kernels.gemv import gemv
     from pagebatch.layers.dense import gemv_key
@@ -317,15 +342,18 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...],
         w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
         x = torch.randn(m, k, device=DEV, dtype=DT)
         next_w = _rotating(lambda i: w if i == 0 else w.clone(), w.numel() * 2)
+        gated = shape in GATED_SHAPES
 
-        def run(cfg):
+        def run(cfg, gated=gated):
             if cfg["kernel"] == "cublas":
-                return F.linear(x, next_w())
-            return gemv(x, next_w(), None,
+                out = F.linear(x, next_w())
+                return silu_and_mul(out) if gated else out
+            return gemv(x, next_w(), None, gated=gated,
                         **{key: v for key, v in cfg.items() if key != "kernel"})
 
+        ref = x.float() @ w.float().t()
         results = _time_candidates([{"kernel": "cublas"}, *candidates], run,
-                                   _rel_ok(x.float() @ w.float().t(), 1e-2))
+                                   _rel_ok(_silu_mul_ref(ref) if gated else ref, 1e-2))
         t_cublas = next(ms for ms, cfg in results if cfg["kernel"] == "cublas")
         best_ms, best = results[0]
         wb = w.numel() * 2
