@@ -130,8 +130,9 @@ class OneShotAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` [rows, hidden] over the ranks, a new tensor in x's dtype."""
+        x = x.contiguous()
         out = torch.empty_like(x)
-        self._launch(x.contiguous(), None, None, out, None, 0.0)
+        self._launch(x, None, None, out, None, 0.0)
         return out
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
@@ -139,9 +140,10 @@ class OneShotAllReduce:
         """(norm(sum + residual) * weight, sum + residual), sum the all-reduce of ``x``: what
         ``rms_norm(all_reduce(x), weight, eps, residual)`` returns (core/kernels/norm.py), in
         one launch."""
+        x = x.contiguous()
         out = torch.empty_like(x)
         res_out = torch.empty_like(x)
-        self._launch(x.contiguous(), residual.contiguous(), weight, out, res_out, eps)
+        self._launch(x, residual.contiguous(), weight, out, res_out, eps)
         return out, res_out
 
     def _launch(self, x, residual, weight, out, res_out, eps: float) -> None:
