@@ -27,14 +27,12 @@ import time
 MODEL = ["examples/configs/llama-3.1-8b", "--load-format", "dummy", "--max-model-len", "4096"]
 PP_WORKLOAD = ["--num-prompts", "256", "--input-len", "512", "--output-len", "128",
                "--max-num-batched-tokens", "16384", "--num-iters", "2"]
+TP_WORKLOAD = ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256",
+               "--num-iters", "3"]
 RUNS = {  # name: (bench kind, engine and workload arguments)
-    "tp1": ("latency", ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256",
-                        "--num-iters", "3"]),
-    "tp2": ("latency", ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256",
-                        "--num-iters", "3", "--tensor-parallel-size", "2"]),
-    "tp2ar": ("latency", ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256",
-                          "--num-iters", "3", "--tensor-parallel-size", "2",
-                          "--custom-all-reduce"]),
+    "tp1": ("latency", TP_WORKLOAD),
+    "tp2": ("latency", TP_WORKLOAD + ["--tensor-parallel-size", "2"]),
+    "tp2ar": ("latency", TP_WORKLOAD + ["--tensor-parallel-size", "2", "--custom-all-reduce"]),
     "pp1": ("throughput", PP_WORKLOAD),
     "pp2": ("throughput", PP_WORKLOAD + ["--pipeline-parallel-size", "2"]),
     "pp2mb3": ("throughput", PP_WORKLOAD + ["--pipeline-parallel-size", "2",

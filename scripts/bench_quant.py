@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from pagebatch.kernels.activation import silu_and_mul
+from pagebatch.layers.activation import silu_and_mul_torch
 from pagebatch.layers.linear import LinearBase
 from pagebatch.quant.awq import AWQMethod
 from pagebatch.quant.fp8 import FP8Method
@@ -194,16 +196,6 @@ L2_FLUSH_BYTES = 256 * 2**20  # five times the H200's 50 MB L2
 GATED_SHAPES = {"gate_up", "8b.gate_up", "1b.gate_up", "8b-tp2.gate_up"}
 
 
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    from pagebatch.kernels.activation import silu_and_mul as kernel
-
-    return kernel(y)
-
-
-def _silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
-    gate, up = y.float().chunk(2, dim=-1)
-    return F.silu(gate) * up
-
 
 def _rotating(make, nbytes: int):
     """A callable that returns the next of ``n`` copies ``make(i)`` (``nbytes`` each), enough
@@ -286,7 +278,7 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
 
         ref = reference(layer, x)
         results = _time_candidates(_candidates(m, bits, gs), run,
-                                   _rel_ok(_silu_mul_ref(ref) if gated else ref, 2e-2))
+                                   _rel_ok(silu_and_mul_torch(ref) if gated else ref, 2e-2))
         if not results:
             print(f"  {shape:8s} M={m:3d} no config ran")
             continue
@@ -353,7 +345,7 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...],
 
         ref = x.float() @ w.float().t()
         results = _time_candidates([{"kernel": "cublas"}, *candidates], run,
-                                   _rel_ok(_silu_mul_ref(ref) if gated else ref, 1e-2))
+                                   _rel_ok(silu_and_mul_torch(ref) if gated else ref, 1e-2))
         t_cublas = next(ms for ms, cfg in results if cfg["kernel"] == "cublas")
         best_ms, best = results[0]
         wb = w.numel() * 2

@@ -40,6 +40,20 @@ def assert_greedy_match(ref_tokens: list[int], ref_gaps: list[float], got_tokens
         f"{what}: same tokens but different lengths {len(ref_tokens)} vs {len(got_tokens)}")
 
 
+def greedy_one_by_one(llm, prompts: list[list[int]],
+                      sp) -> tuple[list[list[int]], list[list[float]]]:
+    """An engine's greedy tokens for each prompt generated alone (every decode step one row),
+    and the top-2 gap where each token was chosen (one forward over prompt + tokens)."""
+    runner = llm.engine.core.runner
+    tokens, gaps = [], []
+    for p in prompts:
+        t = list(llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
+                 .token_ids)
+        tokens.append(t)
+        gaps.append(top2_gaps(runner.forward_scratch(p + t[:-1])[len(p) - 1:]))
+    return tokens, gaps
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens from a transformers model (stopping at EOS, which is included) and the
     top-2 gap of the raw logits at each step."""

@@ -40,11 +40,6 @@ def test_gemv_equals_linear(m, n, k, block_n, block_k, split_k, bias, dtype, pre
     assert not counter_buffer(x.device).any()
 
 
-def _silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,block_n,block_k,split_k,bias", [
     (1, 64, 256, 16, 64, 1, False),   # 2 x 32 rows, 8 outputs per tile: unmasked
@@ -57,12 +52,14 @@ def test_gated_gemv_is_silu_mul_of_the_product(m, n, k, block_n, block_k, split_
     silu(gate) * up ``[M, N/2]`` (Llama's MLP at decode sizes: no activation kernel)."""
     from pagebatch.kernels.gemv import gemv
     from pagebatch.kernels.splitk import counter_buffer
+    from pagebatch.layers.activation import silu_and_mul_torch
 
     g = torch.Generator().manual_seed(3 * n + k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
-    ref = _silu_mul_ref(F.linear(x.double(), w.double(), None if b is None else b.double()))
+    ref = silu_and_mul_torch(F.linear(x.double(), w.double(),
+                                      None if b is None else b.double()))
     for _ in range(2):
         out = gemv(x, w, b, block_n=block_n, block_k=block_k, split_k=split_k, gated=True)
         assert out.dtype == dtype and out.shape == (m, n // 2)
@@ -126,7 +123,7 @@ def test_engine_greedy_with_the_gemv_table_is_cublas_greedy(tmp_path, monkeypatc
     import json
 
     from conftest import build_tiny_model
-    from numerics import assert_greedy_match, top2_gaps
+    from numerics import assert_greedy_match, greedy_one_by_one
     from pagebatch import LLM, SamplingParams
     from pagebatch.kernels import tuned
     from pagebatch.layers import dense
@@ -152,16 +149,10 @@ def test_engine_greedy_with_the_gemv_table_is_cublas_greedy(tmp_path, monkeypatc
         dense._choice.clear()
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kv_blocks=256,
                   block_size=16, max_num_seqs=1)
-        runner = llm.engine.core.runner
-        tokens, gaps = [], []
-        for p in prompts:  # one at a time: every decode step has one row
-            t = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
-            tokens.append(list(t.token_ids))
-            gaps.append(top2_gaps(runner.forward_scratch(p + tokens[-1][:-1])[len(p) - 1:]))
+        runs[with_table] = greedy_one_by_one(llm, prompts, sp)
         gate_up = (torch.device("cuda", torch.cuda.current_device()), 2 * inter, hidden, 1)
         assert (dense._choice.get(gate_up) is not None) == with_table
-        runs[with_table] = (tokens, gaps)
-        del llm, runner
+        del llm
         torch.cuda.empty_cache()
     tuned.load_table.cache_clear()
     dense._choice.clear()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagebatch.layers.activation import silu_and_mul_torch
 from pagebatch.layers.linear import LinearBase
 from pagebatch.quant.fp16 import UnquantizedMethod
 
@@ -20,8 +21,7 @@ class _Fused(UnquantizedMethod):
 
     def apply_silu_mul(self, layer, x):
         type(self).calls += 1
-        gate, up = F.linear(x, layer.weight).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul_torch(F.linear(x, layer.weight))
 
 
 def _layer(method, outs=(8, 8), parallel=None) -> LinearBase:
@@ -71,7 +71,7 @@ def test_awq_greedy_with_and_without_the_fused_activation(tmp_path, monkeypatch)
     (gate/up product + SiLU-and-mul in one launch) gives the tokens of the product followed by
     the activation kernel (near-tie rule), and it is the path decode steps take."""
     from conftest import build_tiny_model
-    from numerics import assert_greedy_match, top2_gaps
+    from numerics import assert_greedy_match, greedy_one_by_one
     from pagebatch import LLM, SamplingParams
     from pagebatch.quant.wna16 import WNA16Method
 
@@ -94,14 +94,8 @@ def test_awq_greedy_with_and_without_the_fused_activation(tmp_path, monkeypatch)
                             counted if on else (lambda self, layer, x: None))
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", quantization="awq",
                   num_kv_blocks=256, block_size=16, max_num_seqs=1)
-        runner = llm.engine.core.runner
-        tokens, gaps = [], []
-        for p in prompts:
-            t = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
-            tokens.append(list(t.token_ids))
-            gaps.append(top2_gaps(runner.forward_scratch(p + tokens[-1][:-1])[len(p) - 1:]))
-        runs[on] = (tokens, gaps)
-        del llm, runner
+        runs[on] = greedy_one_by_one(llm, prompts, sp)
+        del llm
         torch.cuda.empty_cache()
     assert any(calls), "no decode step took the gated GEMV"
     for ref, gaps, got in zip(runs[False][0], runs[False][1], runs[True][0]):

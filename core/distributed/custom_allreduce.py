@@ -20,7 +20,7 @@ ONE_SHOT_MAX_BYTES = 512 * 1024  # per rank: 64 tokens of a 4096-wide bf16 model
 
 def one_shot_rows(hidden: int, dtype: torch.dtype) -> int:
     """Rows (tokens) of ``hidden`` elements of ``dtype`` an input may have (at least 1)."""
-    return max(1, ONE_SHOT_MAX_BYTES // (hidden * torch.finfo(dtype).bits // 8))
+    return max(1, ONE_SHOT_MAX_BYTES // (hidden * dtype.itemsize))
 
 
 def create_one_shot(group: Any, hidden: int, dtype: torch.dtype, device: torch.device):

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .norm import add_residual, rms_norm_row
+from .norm import add_residual, rms_norm_row, row_warps
 
 
 @triton.jit
@@ -121,7 +121,7 @@ class OneShotAllReduce:
         self.epochs = torch.zeros(max_rows, dtype=torch.int64, device=buffer.device)
         self._keepalive = keepalive
         self._block = triton.next_power_of_2(hidden)
-        self._warps = 4 if self._block <= 2048 else (8 if self._block <= 8192 else 16)
+        self._warps = row_warps(self._block)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` can go through this all-reduce (else the caller uses NCCL)."""
@@ -151,7 +151,7 @@ class OneShotAllReduce:
         _one_shot_kernel[(x.shape[0],)](
             x, residual if norm else x, weight if norm else x, out, res_out if norm else out,
             self.buffer, self.peer_offsets, self.signal_ptrs, self.epochs, self.rank,
-            self.hidden,
-            self.max_rows * self.hidden, eps, WORLD=self.world, BLOCK=self._block, NORM=norm,
+            self.hidden, self.max_rows * self.hidden, eps, WORLD=self.world, BLOCK=self._block,
+            NORM=norm,
             EVEN=self._block == self.hidden and self.hidden % 8 == 0, num_warps=self._warps,
             **pdl.launch_options(x.device))

@@ -47,6 +47,11 @@ def rms_norm_row(x, w_ptr, offs, mask, n_cols, eps, out_dtype):
     return (w.to(tl.float32) * y.to(tl.float32)).to(out_dtype)
 
 
+def row_warps(block: int) -> int:
+    """Warps for a kernel with one program per row of ``block`` (power of two) elements."""
+    return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -62,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     n_rows, n = x2.shape
     out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    warps = row_warps(block)
     if residual is None:
         if n_rows:
             _rms_norm_kernel[(n_rows,)](x2, x2, weight, out, out, n, eps, x2.stride(0), 0,

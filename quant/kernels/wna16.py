@@ -230,10 +230,7 @@ def wna16_matmul_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     m = x.shape[0]
     if m == 0 or group_size <= 0 or m > DECODE_MAX_M:
         return None
-    key = (m, qweight.shape[1], x.shape[1], group_size, False, x.device, bits)
-    cfg = _chosen.get(key)
-    if cfg is None:
-        cfg = _chosen[key] = pick_config(*key)
+    cfg = _config(x, qweight, bits, group_size, None)
     if cfg.get("kernel") != "gemv":
         return None
     params = {k: v for k, v in cfg.items() if k != "kernel"}
@@ -253,8 +250,16 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return x.new_empty(0, qweight.shape[1])
     if m >= dense_min_m:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
-    key = (m, qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device, bits)
+    cfg = _config(x, qweight, bits, group_size, g_idx)
+    return run_config(x, qweight, scales, zeros, bits, group_size, g_idx, cfg)
+
+
+def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
+            g_idx: torch.Tensor | None) -> dict:
+    """`pick_config`'s choice for this product's shape and rows, asked once per shape."""
+    key = (x.shape[0], qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
+           bits)
     cfg = _chosen.get(key)
     if cfg is None:  # first product of this shape: heuristics or the tuned table, once
         cfg = _chosen[key] = pick_config(*key)
-    return run_config(x, qweight, scales, zeros, bits, group_size, g_idx, cfg)
+    return cfg
