@@ -231,10 +231,11 @@ class EngineConfig:
         "(default: pipeline_parallel_size); more hide the round trip of each step's sampled "
         "tokens back to the first stage, with smaller micro-batches.", _optional(parse_int(1)))
     custom_all_reduce: bool = _opt(
-        "custom_all_reduce", False,
-        "Tensor parallel: each row-parallel layer's all-reduce fused with the residual add and "
-        "RMSNorm after it; on CUDA a one-shot Triton kernel over symmetric memory for batches "
-        "up to 512 KiB per rank (NCCL above). Off until measured on GPUs.", parse_bool)
+        "custom_all_reduce", True,
+        "Tensor parallel: each row-parallel layer's (and the embedding's) all-reduce fused with "
+        "the residual add and RMSNorm after it; on CUDA a one-shot Triton kernel over symmetric "
+        "memory for batches up to 512 KiB per rank (NCCL above). false: an all-reduce (NCCL, "
+        "gloo) after each row-parallel layer.", parse_bool)
     distributed_backend: str = _opt("distributed_backend", "auto",
                                     "torch.distributed backend: auto = nccl on cuda, gloo on "
                                     "cpu.", _choice(DIST_BACKENDS), choices=DIST_BACKENDS)

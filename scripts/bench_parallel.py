@@ -10,9 +10,11 @@ weights (examples/configs/llama-3.1-8b):
 Each configuration runs in its own process (``python3 -m pagebatch.cli bench ... --output``);
 JSON results go to $OUT (default /tmp/out) and a table is printed last.
 
-    python3 scripts/bench_parallel.py [--only tp1,tp2,tp2ar,pp1,pp2,pp2mb3] [--eager] [--timeout S]
+    python3 scripts/bench_parallel.py [--only tp1,tp2,tp2nccl,pp1,pp2,pp2mb3] [--eager]
+        [--timeout S]
 
-tp2ar: TP=2 with ``custom_all_reduce`` (the one-shot all-reduce fused with the norms).
+tp2 runs with the default ``custom_all_reduce: true`` (the one-shot all-reduce fused with the
+norms); tp2nccl with ``--no-custom-all-reduce`` (NCCL after each row-parallel layer).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ TP_WORKLOAD = ["--max-num-seqs", "8", "--input-len", "128", "--output-len", "256
 RUNS = {  # name: (bench kind, engine and workload arguments)
     "tp1": ("latency", TP_WORKLOAD),
     "tp2": ("latency", TP_WORKLOAD + ["--tensor-parallel-size", "2"]),
-    "tp2ar": ("latency", TP_WORKLOAD + ["--tensor-parallel-size", "2", "--custom-all-reduce"]),
+    "tp2nccl": ("latency", TP_WORKLOAD + ["--tensor-parallel-size", "2",
+                                          "--no-custom-all-reduce"]),
     "pp1": ("throughput", PP_WORKLOAD),
     "pp2": ("throughput", PP_WORKLOAD + ["--pipeline-parallel-size", "2"]),
     "pp2mb3": ("throughput", PP_WORKLOAD + ["--pipeline-parallel-size", "2",
@@ -81,7 +84,7 @@ def main() -> int:
     print(f"{'run':<6}{'what':<34}{'value':>12}{'startup s':>11}{'wall s':>9}")
     rows = [("tp1", "decode tok/s, batch 1, 1 GPU", "decode_tok_s"),
             ("tp2", "decode tok/s, batch 1, TP=2", "decode_tok_s"),
-            ("tp2ar", "same, custom_all_reduce", "decode_tok_s"),
+            ("tp2nccl", "same, NCCL all-reduces", "decode_tok_s"),
             ("pp1", "output tok/s, 256x512/128, 1 GPU", "output_tok_s"),
             ("pp2", "output tok/s, 256x512/128, PP=2", "output_tok_s"),
             ("pp2mb3", "same, PP=2, 3 micro-batches", "output_tok_s")]
@@ -92,7 +95,7 @@ def main() -> int:
             print(f"{name:<6}{what:<34}{(f'{v:.1f}' if v else 'failed'):>12}"
                   f"{r.get('startup_s', float('nan')):>11.1f}{r.get('wall_s', float('nan')):>9.1f}")
     for a, b, key, label in (("tp2", "tp1", "decode_tok_s", "TP=2 / TP=1 decode"),
-                             ("tp2ar", "tp1", "decode_tok_s", "TP=2 custom_all_reduce / TP=1"),
+                             ("tp2nccl", "tp1", "decode_tok_s", "TP=2 with NCCL / TP=1"),
                              ("pp2", "pp1", "output_tok_s", "PP=2 / 1 GPU throughput"),
                              ("pp2mb3", "pp1", "output_tok_s", "PP=2 (3 micro-batches) / 1 GPU")):
         if val(a, key) and val(b, key):

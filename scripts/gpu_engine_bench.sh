@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 7's engine benchmarks on the GPU machine (through the device tool):
-#   bash scripts/gpu_engine_bench.sh quick|8b|rest|tests|quant|dense|quant-lat|quant-tput|pdl
+#   bash scripts/gpu_engine_bench.sh quick|8b|rest|targets|tests|quant|dense|quant-lat|quant-tput|pdl
 # quick: the CUDA-graph GPU tests and the 1B-shape runs; 8b: T1 (with --compare hf), T2 and T5
-# (cold and warm Triton cache); rest: T4 (nano-vllm workload), T6 (GPU busy time), T3 with
-# --compare hf. Writes JSON to $OUT (or /tmp/out) and prints a table last.
+# (cold and warm Triton cache); rest: T1, T4 (nano-vllm workload), T6 (GPU busy time), T3 with
+# --compare hf; targets: T1-T6 in one go (8b, then rest without its T1). Writes JSON to $OUT (or /tmp/out) and prints a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -20,6 +20,27 @@ run() {  # name, timeout, command...
     echo "=== $name: $*"
     timeout "$t" "$@" 2>&1 | grep -v "^INFO pagebatch.model_loader\|no tokenizer" | tail -14
 }
+t1() {  # T1 with transformers side by side
+    run tput-8b 300 $B throughput $C8 --max-num-batched-tokens 16384 \
+        --num-prompts 256 --input-len 512 --output-len 128 --compare hf --hf-batch-size 64 \
+        --output "$OUT/tput-8b.json"
+}
+t2_t5() {  # T2 and T5, cold then warm Triton cache
+    rm -rf /tmp/tc8
+    TRITON_CACHE_DIR=/tmp/tc8 run lat-8b-cold 200 $B latency $C8 --input-len 128 \
+        --output-len 256 --output "$OUT/lat-8b-cold.json"
+    TRITON_CACHE_DIR=/tmp/tc8 run lat-8b-warm 200 $B latency $C8 --input-len 128 \
+        --output-len 256 --output "$OUT/lat-8b-warm.json"
+}
+t4_t6_t3() {
+    run nano 300 $B throughput examples/configs/qwen3-0.6b --load-format dummy \
+        --max-model-len 4096 --max-num-batched-tokens 16384 --preset nanovllm \
+        --output "$OUT/nano.json"
+    run busy-8b 200 python3 scripts/profile_engine.py examples/configs/llama-3.1-8b \
+        --decode-only --steps 30 --extra max_num_batched_tokens=16384 --json "$OUT/busy-8b.jsonl"
+    run lat-1b 200 $B latency $C1 --input-len 128 --output-len 256 --compare hf \
+        --output "$OUT/lat-1b.json"
+}
 case "$MODE" in
 tests)
     run gpu-tests 300 python3 -m pytest -q -x tests/test_cuda_graphs_gpu.py \
@@ -31,25 +52,15 @@ quick)
     run tput-1b 200 $B throughput $C1 --num-prompts 256 --input-len 512 --output-len 128 \
         --output "$OUT/tput-1b.json" ;;
 8b)
-    rm -rf /tmp/tc8
-    TRITON_CACHE_DIR=/tmp/tc8 run lat-8b-cold 200 $B latency $C8 --input-len 128 \
-        --output-len 256 --output "$OUT/lat-8b-cold.json"
-    TRITON_CACHE_DIR=/tmp/tc8 run lat-8b-warm 200 $B latency $C8 --input-len 128 \
-        --output-len 256 --output "$OUT/lat-8b-warm.json"
-    TRITON_CACHE_DIR=/tmp/tc8 run tput-8b 300 $B throughput $C8 --max-num-batched-tokens 16384 \
-        --num-prompts 256 --input-len 512 --output-len 128 --compare hf --hf-batch-size 64 \
-        --output "$OUT/tput-8b.json" ;;
+    t2_t5
+    TRITON_CACHE_DIR=/tmp/tc8 t1 ;;
 rest)
-    run tput-8b 300 $B throughput $C8 --max-num-batched-tokens 16384 \
-        --num-prompts 256 --input-len 512 --output-len 128 --compare hf --hf-batch-size 64 \
-        --output "$OUT/tput-8b.json"
-    run nano 300 $B throughput examples/configs/qwen3-0.6b --load-format dummy \
-        --max-model-len 4096 --max-num-batched-tokens 16384 --preset nanovllm \
-        --output "$OUT/nano.json"
-    run busy-8b 200 python3 scripts/profile_engine.py examples/configs/llama-3.1-8b \
-        --decode-only --steps 30 --extra max_num_batched_tokens=16384 --json "$OUT/busy-8b.jsonl"
-    run lat-1b 200 $B latency $C1 --input-len 128 --output-len 256 --compare hf \
-        --output "$OUT/lat-1b.json" ;;
+    t1
+    t4_t6_t3 ;;
+targets)  # T1-T6 on one tree in one call
+    t2_t5
+    TRITON_CACHE_DIR=/tmp/tc8 t1
+    t4_t6_t3 ;;
 quant-lat)  # issue 8: int4 batch-1 decode vs bf16, side by side; the quant GPU tests
     run quant-tests 300 python3 -m pytest -q -x tests/test_quant_kernels.py \
         tests/test_quant_methods.py

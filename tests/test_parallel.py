@@ -144,6 +144,7 @@ def test_parallel_greedy_equals_single_rank(parallel_core, reference):
     layer = core.runner.model.layers[0]
     assert layer.mlp.down_proj.reduce_results is not cfg.custom_all_reduce
     assert (layer.post_attention_layernorm.tp is not None) is cfg.custom_all_reduce
+    assert core.runner.model.embed_tokens.reduce_results is not cfg.custom_all_reduce
     assert core.runner.parallel.one_shot is None
 
 

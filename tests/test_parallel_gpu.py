@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism on two GPUs (NCCL): TP=2 (CUDA graphs with the all-reduce
-captured, asynchronous scheduling; and with ``custom_all_reduce``, the one-shot kernel fused
-with the norms) and PP=2 (each stage's decode steps in CUDA graphs) give one
+captured, asynchronous scheduling; with ``custom_all_reduce`` on, the default, the one-shot
+kernel fused with the norms, and off, NCCL) and PP=2 (each stage's decode steps in CUDA graphs) give one
 GPU's eager greedy tokens (fp32, near-tie rule) for a batch of mixed lengths with prefix-cache
 hits and chunked prefill. Skips without two CUDA devices (device kind nvidia-h200-x2)."""
 
@@ -52,13 +52,14 @@ def test_tp2_and_pp2_greedy_equal_one_gpu(tmp_path):
     prompts += [shared + [rng.randint(3, 255) for _ in range(rng.randint(1, 50))]
                 for _ in range(8)]
     ref, gaps, _, _ = _generate(folder, prompts, enforce_eager=True, async_scheduling=False)
-    tp_tokens, _, tp_replays, _ = _generate(folder, prompts, tensor_parallel_size=2)
+    tp_tokens, _, tp_replays, _ = _generate(folder, prompts, tensor_parallel_size=2,
+                                            custom_all_reduce=False)
     assert tp_replays > 20, "TP decode steps should replay CUDA graphs"
     pp_tokens, _, pp_replays, _ = _generate(folder, prompts, pipeline_parallel_size=2)
     assert pp_replays > 20, "PP decode steps should replay each stage's CUDA graphs"
-    # the one-shot all-reduce fused with the norms (every batch of this workload fits it)
-    ar_tokens, _, ar_replays, one_shot = _generate(folder, prompts, tensor_parallel_size=2,
-                                                   custom_all_reduce=True)
+    # the default: the one-shot all-reduce fused with the norms (every batch of this workload
+    # fits it)
+    ar_tokens, _, ar_replays, one_shot = _generate(folder, prompts, tensor_parallel_size=2)
     assert one_shot and ar_replays > 20
     for i, (r, g) in enumerate(zip(ref, gaps)):
         assert_greedy_match(r, g, tp_tokens[i], what=f"tp2 prompt {i}")

@@ -53,19 +53,26 @@ class _VocabShard(nn.Module):
 
 
 class VocabEmbedding(_VocabShard):
+    """``reduce_results=False`` (``custom_all_reduce``): under tensor parallelism the output is
+    this rank's partial sum (its range's rows, zeros elsewhere), left for the first RMSNorm to
+    all-reduce together with its (zero) residual, as a row-parallel layer's is."""
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, tp: "ParallelContext | None" = None):
+                 device: torch.device, tp: "ParallelContext | None" = None,
+                 reduce_results: bool = True):
         super().__init__(vocab_size, hidden_size, dtype, device, tp)
+        self.reduce_results = reduce_results
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [num_tokens] int32/int64 -> [num_tokens, hidden]."""
+        """input_ids: [num_tokens] int32/int64 -> [num_tokens, hidden] (a partial sum under
+        tensor parallelism with ``reduce_results=False``)."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside[:, None], 0)
-        return self.tp.tp_all_reduce(x)
+        return self.tp.tp_all_reduce(x) if self.reduce_results else x
 
 
 class LMHead(_VocabShard):

@@ -6,11 +6,11 @@ Weights load by Hugging Face tensor names; q/k/v and gate/up are fused into one 
 Tensor parallel (Megatron-LM): qkv_proj and gate_up_proj are column-parallel (each rank holds
 its heads / its slice of the MLP width; KV heads are replicated when fewer than the ranks),
 o_proj and down_proj row-parallel (all-reduced), the embedding and LM head vocab-parallel.
-With ``custom_all_reduce`` the row-parallel layers return partial sums and the RMSNorm after
-each (the next layer's, or the final one) all-reduces them together with its residual add
-(core/layers/norm.py); a pipeline stage then sends its last partial sum on, and the next
-stage's first norm reduces it over its own TP ranks (rank i of a stage sends to rank i of the
-next, so the sum is the same).
+With ``custom_all_reduce`` the row-parallel layers (and the embedding) return partial sums and
+the RMSNorm after each (the next layer's, or the final one) all-reduces them together with its
+residual add (a zero residual after the embedding; core/layers/norm.py); a pipeline stage then
+sends its last partial sum on, and the next stage's first norm reduces it over its own TP ranks
+(rank i of a stage sends to rank i of the next, so the sum is the same).
 Pipeline parallel: the model holds only its stage's layers (``ctx.parallel.stage_layers``); the
 first stage embeds, the others receive (hidden, residual) from the previous stage; every stage
 but the last sends its output on and returns None.
@@ -160,8 +160,13 @@ class LlamaForCausalLM(nn.Module):
         # this pipeline stage's layers [start_layer, end_layer) (all of them without PP)
         self.start_layer, self.end_layer = par.stage_layers(cfg.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # custom_all_reduce: the embedding's partial sum is reduced by the first layer's norm,
+        # given a zero residual (so the layer takes its fused path; the sum + 0 is exact)
+        self.embed_partial = par.fuse_all_reduce_norm and par.tp_size > 1
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
-                                            ctx.device, par) if par.is_first_stage else None)
+                                            ctx.device, par,
+                                            reduce_results=not self.embed_partial)
+                             if par.is_first_stage else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, self.attention_cls)
                                     for _ in range(self.start_layer, self.end_layer))
         self.norm = self.lm_head = None
@@ -205,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
         [T, 2 * hidden] on a stage before the last, the final-normed hidden states
         [T, hidden] on the last."""
         if hidden_in is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x = self.embed_tokens(input_ids)
+            residual = torch.zeros_like(x) if self.embed_partial else None
         else:
             x, residual = hidden_in[:, :self.hidden_size], hidden_in[:, self.hidden_size:]
         for layer, kv_cache in zip(self.layers, kv_caches):
