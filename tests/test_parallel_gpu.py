@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on two GPUs (NCCL): TP=2 (CUDA graphs with the all-reduce
 captured, asynchronous scheduling; with ``custom_all_reduce`` on, the default, the one-shot
-kernel fused with the norms, and off, NCCL) and PP=2 (each stage's decode steps in CUDA graphs) give one
-GPU's eager greedy tokens (fp32, near-tie rule) for a batch of mixed lengths with prefix-cache
-hits and chunked prefill. Skips without two CUDA devices (device kind nvidia-h200-x2)."""
+kernel fused with the norms, and off, NCCL) and PP=2 (each stage's decode steps in CUDA graphs)
+give one GPU's eager greedy tokens (fp32, near-tie rule) for a batch of mixed lengths with
+prefix-cache hits and chunked prefill. Skips without two CUDA devices (kind nvidia-h200-x2)."""
 
 from __future__ import annotations
 
