@@ -196,7 +196,6 @@ L2_FLUSH_BYTES = 256 * 2**20  # five times the H200's 50 MB L2
 GATED_SHAPES = {"gate_up", "8b.gate_up", "1b.gate_up", "8b-tp2.gate_up"}
 
 
-
 def _rotating(make, nbytes: int):
     """A callable that returns the next of ``n`` copies ``make(i)`` (``nbytes`` each), enough
     that together they exceed L2_FLUSH_BYTES: timed back to back, each call then reads its

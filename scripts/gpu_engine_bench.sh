@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 7's engine benchmarks on the GPU machine (through the device tool):
-#   bash scripts/gpu_engine_bench.sh quick|8b|rest|targets|tests|quant|dense|quant-lat|quant-tput|pdl
+#   bash scripts/gpu_engine_bench.sh MODE
+# MODE: quick|8b|rest|targets|tests|quant|dense|quant-lat|quant-tput|pdl
 # quick: the CUDA-graph GPU tests and the 1B-shape runs; 8b: T1 (with --compare hf), T2 and T5
 # (cold and warm Triton cache); rest: T1, T4 (nano-vllm workload), T6 (GPU busy time), T3 with
-# --compare hf; targets: T1-T6 in one go (8b, then rest without its T1). Writes JSON to $OUT (or /tmp/out) and prints a table last.
+# --compare hf; targets: T1-T6 in one go (8b, then rest without its T1). Writes JSON to $OUT
+# (or /tmp/out) and prints a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

@@ -20,8 +20,7 @@ def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     was: a pipeline stage's received hidden states are such a view); returns the sum. Every
     rank gets the same bits (the reduced tensor is broadcast), so ranks that go on from it stay
     equal."""
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 

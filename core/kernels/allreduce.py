@@ -122,6 +122,8 @@ class OneShotAllReduce:
         self._keepalive = keepalive
         self._block = triton.next_power_of_2(hidden)
         self._warps = row_warps(self._block)
+        # the row is the block: no masks, 16-byte accesses
+        self._even = self._block == hidden and hidden % 8 == 0
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` can go through this all-reduce (else the caller uses NCCL)."""
@@ -152,6 +154,5 @@ class OneShotAllReduce:
             x, residual if norm else x, weight if norm else x, out, res_out if norm else out,
             self.buffer, self.peer_offsets, self.signal_ptrs, self.epochs, self.rank,
             self.hidden, self.max_rows * self.hidden, eps, WORLD=self.world, BLOCK=self._block,
-            NORM=norm,
-            EVEN=self._block == self.hidden and self.hidden % 8 == 0, num_warps=self._warps,
+            NORM=norm, EVEN=self._even, num_warps=self._warps,
             **pdl.launch_options(x.device))

@@ -95,15 +95,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} is not contiguous [N={n}]")
-    if gated and n % 2:
-        raise ValueError(f"gemv: a gated weight has gate and up rows, N={n} is odd")
-    n_out = n // 2 if gated else n
-    x, out, ws, cnt, n_tiles = launch_buffers(x, n_out, block_n, split_k, "gemv", gated)
-    _gemv_kernel[(n_tiles, split_k, m)](
-        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n_out, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=(k % block_k == 0 and n_out % (block_n // 2 if gated else block_n) == 0),
-        PREFETCH=bool(prefetch), GATED=bool(gated), num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_options(x.device))
-    return out
+    b = launch_buffers(x, n, block_n, split_k, "gemv", gated)
+    _gemv_kernel[(b.n_tiles, split_k, m)](
+        b.x, weight, bias if bias is not None else weight, b.out, b.ws, b.cnt, m, b.n_out, k,
+        b.x.stride(0), weight.stride(0), b.out.stride(0), HAS_BIAS=bias is not None,
+        SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=k % block_k == 0 and b.n_even, PREFETCH=bool(prefetch), GATED=bool(gated),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
+    return b.out

@@ -11,6 +11,8 @@ MLP then has no activation kernel.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -100,25 +102,38 @@ def splitk_store(res, out_row, ws_ptr, cnt_ptr, pid_k, m, M, N, n_ok,
             tl.store(out_row + pid_n * BLOCK_N + j, total.to(dtype), mask=n_ok)
 
 
+class GemvLaunch(NamedTuple):
+    """What `launch_buffers` prepares for one GEMV launch."""
+    x: torch.Tensor  # [M, K], contiguous
+    out: torch.Tensor  # [M, n_out] in x's dtype
+    ws: torch.Tensor  # fp32 [split_k, M, n_tiles * block_n] (``out`` when split_k == 1)
+    cnt: torch.Tensor  # the device's split-K counters (``out`` when split_k == 1)
+    n_tiles: int  # output tiles: the grid's first dimension
+    n_out: int  # outputs: the weight's N, gated N / 2
+    n_even: bool  # n_out a multiple of the outputs per tile (no masks along N)
+
+
 def launch_buffers(x: torch.Tensor, n: int, block_n: int, split_k: int, what: str,
-                   gated: bool = False):
-    """For a GEMV launch over ``x`` [M, K] with ``n`` outputs: (x contiguous, out [M, n] in x's
-    dtype, workspace, counters, number of output tiles: ``n / block_n``, gated ``n /
-    (block_n / 2)``). The workspace is fp32 ``[split_k, M, tiles * block_n]`` and the
-    counters the device's (both ``out`` placeholders when ``split_k == 1``).
+                   gated: bool = False) -> GemvLaunch:
+    """For a GEMV launch over ``x`` [M, K] and a weight of ``n`` outputs (gated: n/2 gate then
+    n/2 up ones, and ``n / 2`` outputs, ``block_n / 2`` per tile): see `GemvLaunch`.
 
     Raises ValueError when split-K needs more counters (M x the output tiles) than there
-    are, or a gated tile has fewer than 2 columns."""
+    are, a gated weight's N is odd, or a gated tile has fewer than 2 columns."""
     m = x.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"{what}: a gated weight has gate and up outputs, N={n} is odd")
     if gated and block_n < 2:
         raise ValueError(f"{what}: a gated product needs block_n >= 2, got {block_n}")
-    n_tiles = triton.cdiv(n, block_n // 2 if gated else block_n)
+    n_out, per_tile = (n // 2, block_n // 2) if gated else (n, block_n)
+    n_tiles = triton.cdiv(n_out, per_tile)
     if split_k > 1 and m * n_tiles > MAX_COUNTERS:
         raise ValueError(f"{what}: M={m} x {n_tiles} output tiles exceeds {MAX_COUNTERS} "
                          f"split-K counters")
     x = x.contiguous()
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
     if split_k == 1:
-        return x, out, out, out, n_tiles
+        return GemvLaunch(x, out, out, out, n_tiles, n_out, n_out % per_tile == 0)
     ws = torch.empty(split_k, m, n_tiles * block_n, device=x.device, dtype=torch.float32)
-    return x, out, ws, counter_buffer(x.device), n_tiles
+    return GemvLaunch(x, out, ws, counter_buffer(x.device), n_tiles, n_out,
+                      n_out % per_tile == 0)

@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # custom_all_reduce: the embedding's partial sum is reduced by the first layer's norm,
         # given a zero residual (so the layer takes its fused path; the sum + 0 is exact)
-        self.embed_partial = par.fuse_all_reduce_norm and par.tp_size > 1
+        self.embed_partial = par.fuse_all_reduce_norm
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
                                             ctx.device, par,
                                             reduce_results=not self.embed_partial)

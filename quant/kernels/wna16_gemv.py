@@ -210,21 +210,17 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GEMV: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
                          f"(strides {scales.stride()}, {zeros.stride()}) must be [>= {groups}, "
                          f"{n}] alike with unit column stride, qweight unit column stride")
-    if gated and n % 2:
-        raise ValueError(f"GEMV: a gated weight has gate and up columns, N={n} is odd")
-    n_out = n // 2 if gated else n
-    x, out, ws, cnt, n_tiles = launch_buffers(x, n_out, block_n, split_k, "GEMV", gated)
+    b = launch_buffers(x, n, block_n, split_k, "GEMV", gated)
     block_k = block_kp * pf
     tiles_per_group = group_size // block_k
     shift = tiles_per_group.bit_length() - 1 if tiles_per_group & (tiles_per_group - 1) == 0 else -1
     lo, hi = 15, 15 + bits  # the two field positions after a word's shift (one at 8 bits)
-    _wna16_gemv_kernel[(n_tiles, split_k, m)](
-        x, qweight, scales, zeros, out, ws, cnt, m, n_out, k, group_size, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0),
+    _wna16_gemv_kernel[(b.n_tiles, split_k, m)](
+        b.x, qweight, scales, zeros, b.out, b.ws, b.cnt, m, b.n_out, k, group_size,
+        b.x.stride(0), qweight.stride(0), scales.stride(0), b.out.stride(0),
         ((1 << bits) - 1) << lo, ((1 << bits) - 1) << hi, (150 - lo) << 23, (150 - hi) << 23,
         BITS=bits, SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_KP=block_kp, SUB=sub_tiles,
-        GROUP_SHIFT=shift,
-        EVEN=(k % (block_k * sub_tiles) == 0 and n_out % (block_n // 2 if gated else block_n) == 0),
+        GROUP_SHIFT=shift, EVEN=k % (block_k * sub_tiles) == 0 and b.n_even,
         PREFETCH=bool(prefetch), GATED=bool(gated), num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(x.device))
-    return out
+    return b.out
