@@ -13,6 +13,9 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            the 8B / 1B decode shapes (LM heads included); the faster per shape and M written as
            DIR/dense_gemv_<GPU>.json (core/layers/dense.py uses the GEMV only where it won);
            --dense-shapes 8b-tp2. tunes only the shapes whose names start so
+  --only tune-mma [--tune DIR]  the tensor-core W4A16 kernel (quant/kernels/w4a16_mma.py) at
+           decode sizes against the path configured now; where it is faster it becomes the
+           entry of the ``wna16`` table written to DIR (from the packaged one)
   --only tinygemm  torch's int4 kernel (aten._weight_int4pack_mm) at the 8B decode shapes,
            timed as the tuner times (session 6: slower than the W4A16 GEMV on every shape)
   --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
@@ -359,6 +362,80 @@ def bench_tune_dense(tune_dir: str | None, rows: tuple[int, ...],
         _write_table(path, table)
 
 
+def _mma_candidates(m: int, group_size: int) -> list[dict]:
+    """Configs of the tensor-core kernel (quant/kernels/w4a16_mma.py) the sweep tries: those
+    that came first or second at some 8B shape at 1 or 16 rows in the first full sweep
+    (session 8), plus their neighbours in split-K."""
+    bk = 128 if group_size % 128 == 0 else 64 if group_size % 64 == 0 else 32
+    shapes = [(64, 1, 4, 3), (64, 1, 4, 4), (128, 1, 8, 3), (128, 2, 8, 3), (128, 4, 8, 3),
+              (128, 8, 8, 3), (128, 8, 8, 4), (256, 8, 4, 3), (256, 16, 4, 3)]
+    return [dict(kernel="mma", block_n=bn, block_k=bk, block_m=16, split_k=sk,
+                 num_warps=warps, num_stages=stages)
+            for bn, sk, warps, stages in shapes if not (m == 1 and bn == 64)]
+
+
+def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
+    """The tensor-core W4A16 kernel against the path configured now (`pick_config`: the
+    packaged table, else heuristics) at decode sizes of the 8B shapes (AWQ g128), the gate/up
+    shapes gated as decode runs them: every candidate checked before and after its timed
+    replays. Where the kernel's best is faster, it becomes that shape and M's entry of the
+    ``wna16`` table, written to ``tune_dir`` (starting from the packaged table, whose other
+    entries are kept)."""
+    from pagebatch.kernels import tuned
+    from pagebatch.quant.kernels.w4a16_mma import w4a16_mma
+
+    print("== W4A16 tensor-core kernel vs the path configured now (us) ==", flush=True)
+    path, table = _tuned_table("wna16", tune_dir)
+    packaged = tuned.config_path("wna16", tuned.device_name(DEV), tuned.CONFIG_DIR)
+    if path is not None and not table and packaged.is_file():
+        table = json.loads(packaged.read_text())
+    bits = 4
+    for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
+        layer = make_layer("awq", k, n)
+        gs = layer.wgroup_size
+        x = torch.randn(m, k, device=DEV, dtype=DT)
+        canon = (layer.qweight, layer.scales, layer.zeros)
+        nb = sum(t.numel() * t.element_size() for t in canon)
+        next_canon = _rotating(lambda i: tuple(t if i == 0 else t.clone() for t in canon), nb)
+        gated = shape in GATED_SHAPES
+
+        def run(cfg, gated=gated):
+            params = {key: v for key, v in cfg.items() if key != "kernel"}
+            if cfg["kernel"] == "mma":
+                return w4a16_mma(x, *next_canon(), gs, gated=gated, **params)
+            if gated and cfg["kernel"] == "gemv":
+                return kern.wna16_gemv(x, *next_canon(), bits, gs, gated=True, **params)
+            out = kern.run_config(x, *next_canon(), bits, gs, None, cfg)
+            return silu_and_mul(out) if gated else out
+
+        ref = reference(layer, x)
+        ok = _rel_ok(silu_and_mul_torch(ref) if gated else ref, 2e-2)
+        old = kern.pick_config(m, n, k, gs, False, DEV, bits)
+        if old["kernel"] == "mma":  # a table from an earlier sweep: compare with the rest
+            old = kern.pick_config(m, n, k, gs, False, DEV, bits, tuned_table=False)
+        t_old = time_ms(lambda: run(old)) if ok(run(old)) else float("inf")
+        results = _time_candidates(_mma_candidates(m, gs), run, ok)
+        if not results:
+            print(f"  {shape:8s} M={m:3d} no config ran")
+            continue
+        best = results[0][1]
+        t_best = time_ms(lambda: run(best))
+        won = t_best < t_old
+        print(f"  {shape:8s} M={m:3d} now {t_old * 1e3:7.1f} ({nb / t_old / 1e6:.0f} GB/s)  mma "
+              f"{t_best * 1e3:7.1f} ({nb / t_best / 1e6:.0f} GB/s) {'KEPT' if won else ''} "
+              f"{best}", flush=True)
+        for ms, cfg in results[1:3]:
+            print(f"      {ms * 1e3:7.1f} {cfg}")
+        if won:
+            table.setdefault(kern.shape_key(bits, n, k, gs), {})[str(m)] = best
+        ROWS.append(dict(group="tune_mma", shape=shape, m=m, now_us=t_old * 1e3, now=old,
+                         mma_us=t_best * 1e3, kept=won,
+                         top=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
+        layer = next_canon = None
+        torch.cuda.empty_cache()
+        _write_table(path, table)
+
+
 def bench_tinygemm(rows: tuple[int, ...]) -> None:
     """torch's int4 kernel (``aten._weight_int4pack_mm``, "tinygemm", the one gpt-fast's int4
     figures used) at the 8B decode shapes, g128, timed like the tuner (rotated weight copies,
@@ -402,7 +479,7 @@ def bench_tinygemm(rows: tuple[int, ...]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append",
-                    choices=["layers", "paths", "tune", "tune-dense", "tinygemm"],
+                    choices=["layers", "paths", "tune", "tune-dense", "tune-mma", "tinygemm"],
                     help="run only these parts (default: layers and paths)")
     ap.add_argument("--tune", metavar="DIR", help="also tune the W4A16 kernels at decode sizes "
                     "and write the table (core/kernels/tuned.py) into DIR")
@@ -424,6 +501,8 @@ def main() -> int:
             bench_tune(args.tune, rows)
         elif part == "tune-dense":
             bench_tune_dense(args.tune, rows, tuple(filter(None, args.dense_shapes.split(","))))
+        elif part == "tune-mma":
+            bench_tune_mma(args.tune, rows)
         elif part == "tinygemm":
             bench_tinygemm(rows)
         else:

@@ -23,15 +23,23 @@ from triton.compiler import ASTSource
 
 PTRS = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-ALIGNED = {"N", "K", "group_size", "stride_xm", "stride_qk", "stride_sg", "stride_om"}
+ALIGNED = {"N", "K", "group_size", "stride_xm", "stride_qk", "stride_qn", "stride_sg",
+           "stride_om"}
 
 
 def compile_sass(a: argparse.Namespace) -> str:
-    from pagebatch.quant.kernels.wna16_gemv import _wna16_gemv_kernel as kernel
+    if a.mma:
+        from pagebatch.quant.kernels.w4a16_mma import _w4a16_mma_kernel as kernel
 
-    consts = dict(BITS=4, SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_KP=a.block_kp,
-                  SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch, GATED=a.gated,
-                  PDL=False)
+        consts = dict(SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_K=a.block_k,
+                      BLOCK_M=a.block_m, EVEN=True, GATED=a.gated, DECODE=True, USE_ASM=True,
+                      F16=False, PDL=False)
+    else:
+        from pagebatch.quant.kernels.wna16_gemv import _wna16_gemv_kernel as kernel
+
+        consts = dict(BITS=4, SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_KP=a.block_kp,
+                      SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch,
+                      GATED=a.gated, PDL=False)
     names = [p.name for p in kernel.params]
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -44,7 +52,7 @@ def compile_sass(a: argparse.Namespace) -> str:
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": a.num_warps, "num_stages": 3})
+                       options={"num_warps": a.num_warps, "num_stages": a.num_stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     cubin = Path("/tmp/pagebatch-sass-count.cubin")
     cubin.write_bytes(c.asm["cubin"])
@@ -79,11 +87,20 @@ def main() -> None:
     ap.add_argument("--split-k", type=int, default=8)
     ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--num-stages", type=int, default=3)
+    ap.add_argument("--mma", action="store_true",
+                    help="the tensor-core kernel (quant/kernels/w4a16_mma.py) at batch 1: "
+                    "--block-n, --block-k, --block-m, --split-k, --num-warps")
+    ap.add_argument("--block-k", type=int, default=128)
+    ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--gated", action="store_true",
                     help="the gate/up product with SiLU-and-mul in its epilogue")
     a = ap.parse_args()
     ops = main_loop(compile_sass(a))
-    words = a.block_n * a.block_kp * a.sub_tiles // (32 * a.num_warps)
+    if a.mma:
+        words = a.block_n * a.block_k // 8 // (32 * a.num_warps)
+    else:
+        words = a.block_n * a.block_kp * a.sub_tiles // (32 * a.num_warps)
     mix = collections.Counter(o if o.startswith(("IMAD.MOV", "IMAD.SHL", "IMAD.U32"))
                               else o.split(".")[0] for o in ops)
     print(f"main loop: {len(ops)} instructions for {words} words per thread "

@@ -9,6 +9,9 @@ checkpoints are repacked into once at load:
 The weights are dequantized in registers, tile by tile, and never written out. Paths:
 
 - batch 1 (and the decode sizes a tuned table gives it): the CUDA-core GEMV of wna16_gemv.py;
+- decode sizes where the tuned table says so (4 bits, 16-bit activations): the tensor-core
+  kernel of w4a16_mma.py (up to 16 rows for the price of one: on an H200 the 8B gate/up
+  product at 16 rows takes 45 us there against 117 us on the split-K GEMM below);
 - decode sizes (M <= 16): split-K — the K tiles are spread over ``SPLIT_K`` programs per output
   tile, each adds its fp32 partial sum with an atomic add, so that a GEMV-shaped problem still
   fills the GPU (the weight read is the whole cost);
@@ -30,11 +33,13 @@ import triton.language as tl
 from pagebatch.kernels import num_sms
 
 from pagebatch.kernels import tuned
+from .w4a16_mma import w4a16_mma
 from .wna16_gemv import gemv_supported, wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
-_chosen: dict[tuple, dict] = {}  # wna16_matmul's pick_config result per shape and device
+_chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device, activation kind
+_MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -119,12 +124,14 @@ def shape_key(bits: int, n: int, k: int, group_size: int) -> str:
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
-                device: torch.device, bits: int = 4) -> dict:
+                device: torch.device, bits: int = 4, tuned_table: bool = True) -> dict:
     """Path and launch parameters for an [m, k] x [k, n] product: ``kernel`` is ``gemv``
-    (wna16_gemv.py, CUDA cores) or ``gemm`` (this file's tensor-core kernel), with their block
-    sizes, split-K, warps and stages. A config measured on this GPU (scripts/bench_quant.py
-    --tune, core/kernels/tuned.py) wins; otherwise heuristics."""
-    if not has_g_idx and m <= DECODE_MAX_M:
+    (wna16_gemv.py, CUDA cores), ``mma`` (w4a16_mma.py; only from a tuned table, 16-bit
+    activations) or ``gemm`` (this file's tensor-core kernel), with their block sizes, split-K,
+    warps and stages. A config measured on this GPU (scripts/bench_quant.py --tune and
+    --only tune-mma, core/kernels/tuned.py) wins unless ``tuned_table`` is False; otherwise
+    heuristics."""
+    if tuned_table and not has_g_idx and m <= DECODE_MAX_M:
         cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m)
         if cfg is not None:
             return cfg
@@ -168,6 +175,8 @@ def run_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     params = {key: v for key, v in cfg.items() if key != "kernel"}
     if cfg.get("kernel") == "gemv":
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size, **params)
+    if cfg.get("kernel") == "mma":
+        return w4a16_mma(x, qweight, scales, zeros, group_size, **params)
     return wna16_gemm(x, qweight, scales, zeros, bits, group_size, g_idx, **params)
 
 
@@ -224,16 +233,18 @@ def wna16_matmul_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
                           zeros: torch.Tensor, bits: int, group_size: int
                           ) -> torch.Tensor | None:
     """SiLU-and-mul of ``x @ W^T`` for W's ``2 * D`` columns (D gate, then D up) as one launch
-    of the CUDA-core GEMV (its gated epilogue): x [M, K] -> [M, D]. None where the product's
-    config (the same as the plain product's, `pick_config`) is not the GEMV: the caller then
-    runs the product and the activation."""
+    of the CUDA-core GEMV or the tensor-core kernel (their gated epilogues): x [M, K] -> [M, D].
+    None where the product's config (the same as the plain product's, `pick_config`) is
+    neither: the caller then runs the product and the activation."""
     m = x.shape[0]
     if m == 0 or group_size <= 0 or m > DECODE_MAX_M:
         return None
     cfg = _config(x, qweight, bits, group_size, None)
+    params = {k: v for k, v in cfg.items() if k != "kernel"}
+    if cfg.get("kernel") == "mma":
+        return w4a16_mma(x, qweight, scales, zeros, group_size, gated=True, **params)
     if cfg.get("kernel") != "gemv":
         return None
-    params = {k: v for k, v in cfg.items() if k != "kernel"}
     return wna16_gemv(x, qweight, scales, zeros, bits, group_size, gated=True, **params)
 
 
@@ -259,7 +270,11 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
     """`pick_config`'s choice for this product's shape and rows, asked once per shape."""
     key = (x.shape[0], qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
            bits)
-    cfg = _chosen.get(key)
+    mma_ok = x.dtype in _MMA_DTYPES
+    cfg = _chosen.get((*key, mma_ok))
     if cfg is None:  # first product of this shape: heuristics or the tuned table, once
-        cfg = _chosen[key] = pick_config(*key)
+        cfg = pick_config(*key)
+        if cfg.get("kernel") == "mma" and not mma_ok:
+            cfg = pick_config(*key, tuned_table=False)  # fp32 activations: no MMA path
+        _chosen[(*key, mma_ok)] = cfg
     return cfg
