@@ -115,19 +115,6 @@ def _operand(q, negc, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM:
     return tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
 
 
-@triton.jit
-def _load_rows(ptrs, USE_ASM: tl.constexpr):
-    """A 16-bit load per row (zeros, scales) as an elementwise inline-assembly op: Triton then
-    computes it in whatever register layout its user needs (each thread loads the rows it
-    holds, repeats hit L1). A ``tl.load`` of a ``[BLOCK_N]`` vector is given a layout of its
-    own and moved into the MMA operand's and accumulator's layouts through shared memory, with
-    two barriers each, every iteration."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs],
-                                         dtype=ptrs.dtype.element_ty, is_pure=True, pack=1)
-    return tl.load(ptrs)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                       M, N, K, group_size, stride_xm, stride_qk, stride_sg, stride_om,
