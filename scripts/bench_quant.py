@@ -253,6 +253,26 @@ def _rel_ok(ref, tol):
     return lambda out: ((out.float() - ref).norm() / ref.norm()).item() < tol
 
 
+def _awq_problem(m: int, k: int, n: int):
+    """An AWQ g128 layer with random weights, x ``[m, k]``, and a callable returning the next
+    of enough copies of its (qweight, scales, zeros) to read them from HBM (`_rotating`)."""
+    layer = make_layer("awq", k, n)
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    tensors = (layer.qweight, layer.scales, layer.zeros)
+    next_args = _rotating(lambda i: tuple(t if i == 0 else t.clone() for t in tensors),
+                          sum(t.numel() * t.element_size() for t in tensors))
+    return layer, x, next_args
+
+
+def _run_w4a16(x, args, bits: int, gs: int, cfg: dict, gated: bool):
+    """A W4A16 config as decode runs it: gate/up products through the kernel's gated epilogue
+    where it has one, else the product followed by the SiLU-and-mul kernel."""
+    out = kern.run_config(x, *args, bits, gs, None, cfg, gated=gated)
+    if out is None:
+        return silu_and_mul(kern.run_config(x, *args, bits, gs, None, cfg))
+    return out
+
+
 def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
     g128, 4 bits): each checked against the reference (also after its timed replays, which
@@ -262,21 +282,12 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
     path, table = _tuned_table("wna16", tune_dir)
     bits = 4
     for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
-        layer = make_layer("awq", k, n)
+        layer, x, next_args = _awq_problem(m, k, n)
         gs = layer.wgroup_size
-        x = torch.randn(m, k, device=DEV, dtype=DT)
-        tensors = (layer.qweight, layer.scales, layer.zeros)
-        next_args = _rotating(lambda i: tuple(t if i == 0 else t.clone() for t in tensors),
-                              sum(t.numel() * t.element_size() for t in tensors))
-
         gated = shape in GATED_SHAPES  # decode runs it through the gated GEMV (or + SiLU)
 
         def run(cfg, gated=gated):
-            if gated and cfg["kernel"] == "gemv":
-                params = {key: v for key, v in cfg.items() if key != "kernel"}
-                return kern.wna16_gemv(x, *next_args(), bits, gs, gated=True, **params)
-            out = kern.run_config(x, *next_args(), bits, gs, None, cfg)
-            return silu_and_mul(out) if gated else out
+            return _run_w4a16(x, next_args(), bits, gs, cfg, gated)
 
         ref = reference(layer, x)
         results = _time_candidates(_candidates(m, bits, gs), run,
@@ -382,7 +393,6 @@ def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
     ``wna16`` table, written to ``tune_dir`` (starting from the packaged table, whose other
     entries are kept)."""
     from pagebatch.kernels import tuned
-    from pagebatch.quant.kernels.w4a16_mma import w4a16_mma
 
     print("== W4A16 tensor-core kernel vs the path configured now (us) ==", flush=True)
     path, table = _tuned_table("wna16", tune_dir)
@@ -391,22 +401,13 @@ def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
         table = json.loads(packaged.read_text())
     bits = 4
     for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
-        layer = make_layer("awq", k, n)
+        layer, x, next_args = _awq_problem(m, k, n)
         gs = layer.wgroup_size
-        x = torch.randn(m, k, device=DEV, dtype=DT)
-        canon = (layer.qweight, layer.scales, layer.zeros)
-        nb = sum(t.numel() * t.element_size() for t in canon)
-        next_canon = _rotating(lambda i: tuple(t if i == 0 else t.clone() for t in canon), nb)
+        nb = sum(b.numel() * b.element_size() for b in (layer.qweight, layer.scales, layer.zeros))
         gated = shape in GATED_SHAPES
 
         def run(cfg, gated=gated):
-            params = {key: v for key, v in cfg.items() if key != "kernel"}
-            if cfg["kernel"] == "mma":
-                return w4a16_mma(x, *next_canon(), gs, gated=gated, **params)
-            if gated and cfg["kernel"] == "gemv":
-                return kern.wna16_gemv(x, *next_canon(), bits, gs, gated=True, **params)
-            out = kern.run_config(x, *next_canon(), bits, gs, None, cfg)
-            return silu_and_mul(out) if gated else out
+            return _run_w4a16(x, next_args(), bits, gs, cfg, gated)
 
         ref = reference(layer, x)
         ok = _rel_ok(silu_and_mul_torch(ref) if gated else ref, 2e-2)
@@ -431,7 +432,7 @@ def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
         ROWS.append(dict(group="tune_mma", shape=shape, m=m, now_us=t_old * 1e3, now=old,
                          mma_us=t_best * 1e3, kept=won,
                          top=[dict(us=ms * 1e3, **c) for ms, c in results[:5]]))
-        layer = next_canon = None
+        layer = next_args = None
         torch.cuda.empty_cache()
         _write_table(path, table)
 

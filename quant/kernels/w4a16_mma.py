@@ -15,9 +15,9 @@ z)`` gives ``v - z`` exactly (integer zero points: AWQ and GPTQ's), and a packed
 group scale rounds ``(v - z) * s`` once, as the dequantized reference does. 3 shifts, 4 LOP3, 4
 HADD2 and 4 HMUL2 per word of 8 weights; the MMA accumulates in fp32 across K (Triton splits
 each K tile's wgmma so that it overlaps the next chunk's dequantization; with the scale applied
-to the fp32 result instead, the wgmma had to finish every iteration: in session 8's first
-version the 8B gate/up product at one row took 34.0 us against 26.4). fp16 activations use
-the fp16 ``1024.0`` (``0x6400``) the same way.
+to the fp32 result instead, the wgmma had to finish every iteration: in a session-8 prototype
+the 8B gate/up product at one row took 34.0 us against 26.4, docs/benchmarks.md). fp16
+activations use the fp16 ``1024.0`` (``0x6400``) the same way.
 
 Operand order: the 8 fields of a word come out of the assembly as 4 bf16 pairs, which the
 kernel joins and permutes so that each thread's words are already its share of the A fragment
@@ -32,8 +32,6 @@ runs on a GPU only: tests/test_w4a16_mma.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -76,9 +74,9 @@ ASM_F16 = tl.constexpr(_ASM_HEAD + _ASM_BODY.replace("MAGIC", "0x64006400")
 
 @triton.jit
 def _field(q, shift, c, f, dtype):
-    """The 4-bit field at ``shift`` of each word, as the assembly computes it: ``(v - z)``
-    exact, times the scale ``f``, rounded to ``dtype`` once."""
-    return (((q >> shift) & 15).to(tl.float32) + c).to(dtype).to(tl.float32) * f
+    """The 4-bit field at ``shift`` of each word, as the assembly computes it: ``v - z``
+    (exact) times the scale ``f``, rounded to ``dtype``."""
+    return ((((q >> shift) & 15).to(tl.float32) + c).to(dtype).to(tl.float32) * f).to(dtype)
 
 
 @triton.jit
@@ -96,18 +94,18 @@ def _operand(q, negc, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
                 ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [q, negc, sc],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    else:  # the same values without assembly (the interpreter): value i from slot SLOT_OF[i]
+    else:  # the same values without assembly (the interpreter, CPU tensors)
         c = negc.to(tl.float32) + (1024.0 if F16 else 128.0)
         f = sc.to(tl.float32)
         dt = negc.dtype
-        v0 = _field(q, 0, c, f, dt).to(dt)
-        v1 = _field(q, 16, c, f, dt).to(dt)
-        v2 = _field(q, 4, c, f, dt).to(dt)
-        v3 = _field(q, 20, c, f, dt).to(dt)
-        v4 = _field(q, 8, c, f, dt).to(dt)
-        v5 = _field(q, 24, c, f, dt).to(dt)
-        v6 = _field(q, 12, c, f, dt).to(dt)
-        v7 = _field(q, 28, c, f, dt).to(dt)
+        v0 = _field(q, 0, c, f, dt)
+        v1 = _field(q, 16, c, f, dt)
+        v2 = _field(q, 4, c, f, dt)
+        v3 = _field(q, 20, c, f, dt)
+        v4 = _field(q, 8, c, f, dt)
+        v5 = _field(q, 24, c, f, dt)
+        v6 = _field(q, 12, c, f, dt)
+        v7 = _field(q, 28, c, f, dt)
     # [BN, K/8, p, h, c] (tl.join adds a last dimension) -> [BN, run, c, h, t, p]
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)),
                 tl.join(tl.join(v4, v5), tl.join(v6, v7)))
@@ -172,10 +170,6 @@ def _w4a16_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor, group_size: int, *, block_n: int = 128, block_k: int = 128,
               block_m: int = 16, split_k: int = 1, gated: bool = False, num_warps: int = 4,
@@ -215,19 +209,12 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not decode and (gated or split_k > 1):
         raise ValueError(f"w4a16_mma: M={m} rows exceed block_m={block_m}: no split-K or "
                          f"gated epilogue")
-    x = x.contiguous()
-    if decode:
-        b = launch_buffers(x, n, block_n, split_k, "w4a16_mma", gated)
-        out, ws, cnt, tiles, n_out, even = b.out, b.ws, b.cnt, b.n_tiles, b.n_out, b.n_even
-    else:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        ws = cnt = out
-        tiles, n_out, even = triton.cdiv(n, block_n), n, n % block_n == 0
-    grid = (tiles, split_k if decode else 1, 1 if decode else triton.cdiv(m, block_m))
+    b = launch_buffers(x, n, block_n, split_k, "w4a16_mma", gated)
+    grid = (b.n_tiles, split_k, 1 if decode else triton.cdiv(m, block_m))
     _w4a16_mma_kernel[grid](
-        x, qweight, scales, zeros, out, ws, cnt, m, n_out, k, group_size, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), SPLIT_K=split_k if decode else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, EVEN=even, GATED=bool(gated),
-        DECODE=decode, USE_ASM=not _interpreting(), F16=x.dtype == torch.float16,
+        b.x, qweight, scales, zeros, b.out, b.ws, b.cnt, m, b.n_out, k, group_size,
+        b.x.stride(0), qweight.stride(0), scales.stride(0), b.out.stride(0), SPLIT_K=split_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, EVEN=b.n_even, GATED=bool(gated),
+        DECODE=decode, USE_ASM=x.is_cuda, F16=x.dtype == torch.float16,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
-    return out
+    return b.out

@@ -38,7 +38,7 @@ from .wna16_gemv import gemv_supported, wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
-_chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device, activation kind
+_chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device and activation dtype
 _MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -170,13 +170,17 @@ def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
 
 def run_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None,
-               cfg: dict) -> torch.Tensor:
-    """Run the product with a config of `pick_config` (or a sweep's)."""
+               cfg: dict, gated: bool = False) -> torch.Tensor | None:
+    """Run the product with a config of `pick_config` (or a sweep's). ``gated``: SiLU-and-mul
+    of the product (W's N columns N/2 gate then N/2 up) through the kernel's gated epilogue, or
+    None where the config's kernel (the split-K GEMM) has none."""
     params = {key: v for key, v in cfg.items() if key != "kernel"}
     if cfg.get("kernel") == "gemv":
-        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, **params)
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, gated=gated, **params)
     if cfg.get("kernel") == "mma":
-        return w4a16_mma(x, qweight, scales, zeros, group_size, **params)
+        return w4a16_mma(x, qweight, scales, zeros, group_size, gated=gated, **params)
+    if gated:
+        return None
     return wna16_gemm(x, qweight, scales, zeros, bits, group_size, g_idx, **params)
 
 
@@ -240,12 +244,7 @@ def wna16_matmul_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     if m == 0 or group_size <= 0 or m > DECODE_MAX_M:
         return None
     cfg = _config(x, qweight, bits, group_size, None)
-    params = {k: v for k, v in cfg.items() if k != "kernel"}
-    if cfg.get("kernel") == "mma":
-        return w4a16_mma(x, qweight, scales, zeros, group_size, gated=True, **params)
-    if cfg.get("kernel") != "gemv":
-        return None
-    return wna16_gemv(x, qweight, scales, zeros, bits, group_size, gated=True, **params)
+    return run_config(x, qweight, scales, zeros, bits, group_size, None, cfg, gated=True)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -269,12 +268,11 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
             g_idx: torch.Tensor | None) -> dict:
     """`pick_config`'s choice for this product's shape and rows, asked once per shape."""
     key = (x.shape[0], qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
-           bits)
-    mma_ok = x.dtype in _MMA_DTYPES
-    cfg = _chosen.get((*key, mma_ok))
+           bits, x.dtype)
+    cfg = _chosen.get(key)
     if cfg is None:  # first product of this shape: heuristics or the tuned table, once
-        cfg = pick_config(*key)
-        if cfg.get("kernel") == "mma" and not mma_ok:
-            cfg = pick_config(*key, tuned_table=False)  # fp32 activations: no MMA path
-        _chosen[(*key, mma_ok)] = cfg
+        cfg = pick_config(*key[:-1])
+        if cfg.get("kernel") == "mma" and x.dtype not in _MMA_DTYPES:
+            cfg = pick_config(*key[:-1], tuned_table=False)  # fp32 activations: no MMA path
+        _chosen[key] = cfg
     return cfg
