@@ -89,7 +89,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                         sym=args.sym, act_order=args.act_order, rtn=args.rtn,
                         clip=args.clip, damp_percent=args.damp_percent,
                         calib_file=args.calib_file, num_samples=args.num_samples,
-                        seq_len=args.seq_len, seed=args.seed)
+                        seq_len=args.seq_len, seed=args.seed, lm_head=args.lm_head)
     out = quantize(args.model, args.out_dir, spec, device=args.device)
     print(out, flush=True)
     return 0
@@ -118,6 +118,8 @@ def _add_quantize_parser(sub) -> None:
     q.add_argument("--num-samples", type=int, default=D.num_samples, help="calibration windows")
     q.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per calibration window")
     q.add_argument("--seed", type=int, default=D.seed, help="seed of the window offsets")
+    q.add_argument("--lm-head", action="store_true",
+                   help="gptq: quantize the LM head too (GPTQModel's lm_head: true)")
     q.add_argument("--device", default="cpu", help="torch device for the calibration forward")
     q.set_defaults(func=_cmd_quantize)
 

@@ -208,6 +208,10 @@ class EngineConfig:
     quantization: str | None = _opt("quantization", None,
                                     "Quant method plugin; default: the checkpoint's, else fp16.",
                                     _optional(str))
+    quantize_lm_head: bool | None = _opt(
+        "quantize_lm_head", None,
+        "Quantize the LM head with the quant method too (as gpt-fast's int4 does); default: "
+        "the checkpoint's (GPTQModel lm_head: true), else off.", _optional(parse_bool))
     async_scheduling: bool | None = _opt(
         "async_scheduling", None,
         "Schedule step N+1 while step N runs on the GPU; default: on with CUDA.",

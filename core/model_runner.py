@@ -26,7 +26,8 @@ from .input_batch import InputBatch
 from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
 from .layers.linear import LinearBase
-from .model_loader import ModelSource, architecture, iter_safetensors, select_quantization
+from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
+                           select_quantization)
 from .registry import Registry
 from .sampler import Sampler
 from .sampling_state import SamplingState, SamplingStates
@@ -91,7 +92,7 @@ class ModelRunner:
         if config.custom_all_reduce and self.parallel.tp_size > 1:
             self._set_up_fused_all_reduce(int(hf_config.hidden_size))
         ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len,
-                           self.parallel)
+                           self.parallel, lm_head_quant(config, quant_name, quant))
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
         # a pipeline stage whose model has forward_stage: the runner moves the hidden states

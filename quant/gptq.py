@@ -6,7 +6,8 @@ Checkpoint tensors per linear layer (layout in quant/packing.py): ``qweight`` in
 ``quantization_config`` or quantize_config.json: ``bits`` (4, 8), ``group_size`` (-1 or a
 divisor of each input size), ``desc_act`` (act-order: ``g_idx`` in any order; the input channels
 are sorted by group once at load), ``sym``, ``checkpoint_format`` / ``format`` (``gptq``: v1,
-qzeros store zero - 1; ``gptq_v2``: stored as is).
+qzeros store zero - 1; ``gptq_v2``: stored as is), ``lm_head`` (GPTQModel: the LM head is
+quantized too, ``lm_head.qweight`` ...; the engine builds it with this method).
 
 A 16-bit checkpoint with ``quantization: gptq`` is rounded to nearest at load (4 bits, symmetric,
 group size 128, or the largest of 64, 32 that divides every layer, else one group).
@@ -42,7 +43,7 @@ class GPTQMethod(WNA16Method):
         self.checkpoint_format = str(config_field(hf, ("checkpoint_format", "format"), "gptq"))
         field = "checkpoint_format" if hf and "checkpoint_format" in hf else "format"
         check_allowed("gptq", field, self.checkpoint_format, GPTQ_FORMATS)
-        check_allowed("gptq", "lm_head", bool(config_field(hf, ("lm_head",), False)), (False,))
+        self.checkpoint_lm_head = bool(config_field(hf, ("lm_head",), False))
 
     def layer_group_size(self, k):
         if not self.from_checkpoint and k % self.group_size:

@@ -55,6 +55,7 @@ from pagebatch.quant.kernels import wna16 as kern
 DEV = torch.device("cuda")
 DT = torch.bfloat16
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+TUNE_EXTRA_SHAPES = {"lm_head": (4096, 128256)}  # quantize_lm_head; tuned when named (--shapes)
 DECODE_M, PREFILL_M = (1, 16), (256, 2048)
 ROWS: list[dict] = []
 
@@ -273,15 +274,18 @@ def _run_w4a16(x, args, bits: int, gs: int, cfg: dict, gated: bool):
     return out
 
 
-def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16),
+               shapes: tuple[str, ...] = ()) -> None:
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
     g128, 4 bits): each checked against the reference (also after its timed replays, which
     catches split-K counters left non-zero), the fastest kept per shape and M; written as the
-    tuned table of core/kernels/tuned.py when ``tune_dir`` is given."""
+    tuned table of core/kernels/tuned.py when ``tune_dir`` is given. ``shapes``: names of
+    SHAPES / TUNE_EXTRA_SHAPES (default: SHAPES)."""
     print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
     path, table = _tuned_table("wna16", tune_dir)
     bits = 4
-    for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
+    todo = {name: {**SHAPES, **TUNE_EXTRA_SHAPES}[name] for name in shapes} if shapes else SHAPES
+    for m, (shape, (k, n)) in itertools.product(rows, todo.items()):
         layer, x, next_args = _awq_problem(m, k, n)
         gs = layer.wgroup_size
         gated = shape in GATED_SHAPES  # decode runs it through the gated GEMV (or + SiLU)
@@ -489,6 +493,9 @@ def main() -> int:
     ap.add_argument("--dense-shapes", default="",
                     help="tune-dense: only shapes whose names start with these prefixes "
                     "(comma-separated, e.g. 8b-tp2.)")
+    ap.add_argument("--shapes", default="",
+                    help="tune: only these 8B shapes (comma-separated names: qkv, o, gate_up, "
+                    "down, lm_head; default the first four)")
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -499,7 +506,7 @@ def main() -> int:
     for part in parts:
         rows = tuple(int(v) for v in args.tune_m.split(","))
         if part == "tune":
-            bench_tune(args.tune, rows)
+            bench_tune(args.tune, rows, tuple(filter(None, args.shapes.split(","))))
         elif part == "tune-dense":
             bench_tune_dense(args.tune, rows, tuple(filter(None, args.dense_shapes.split(","))))
         elif part == "tune-mma":

@@ -239,7 +239,6 @@ def test_dummy_weights(method):
     (GPTQMethod, {"bits": 3}, "bits=3"),
     (GPTQMethod, {"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
     (GPTQMethod, {"format": "bitblas"}, "format='bitblas'"),
-    (GPTQMethod, {"lm_head": True}, "lm_head=True"),
     (Int8Method, {"activation_scheme": "static"}, "activation_scheme='static'"),
     (FP8Method, {"activation_scheme": "static"}, "activation_scheme='static'"),
     (FP8Method, {"weight_block_size": [128, 128]}, "weight_block_size"),

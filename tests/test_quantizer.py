@@ -114,7 +114,8 @@ def test_fold_scale_keeps_the_layer_function(tiny_model_dir):
     (dict(method="awq", bits=8), "--bits 8"), (dict(method="gptq", bits=3), "--bits 3"),
     (dict(method="awq", act_order=True), "--act-order"),
     (dict(method="gptq", act_order=True, rtn=True), "--rtn"),
-    (dict(method="gptq", group_size=0), "--group-size 0"), (dict(method="nf4"), "'nf4'")])
+    (dict(method="gptq", group_size=0), "--group-size 0"), (dict(method="nf4"), "'nf4'"),
+    (dict(method="awq", lm_head=True), "--lm-head with --method awq")])
 def test_bad_options_name_the_option(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         QuantizeSpec(**kwargs).validate()

@@ -14,6 +14,7 @@ import torch
 
 from numerics import assert_greedy_match, hf_greedy
 from pagebatch import LLM, SamplingParams
+from pagebatch.layers.linear import LinearBase
 from pagebatch.quant.calibrate import QuantizeSpec, quantize
 from pagebatch.quant.packing import dequantize_awq, dequantize_gptq
 from tiny import random_prompts
@@ -27,6 +28,7 @@ CASES = {
     "gptq-act-order": dict(method="gptq", group_size=32, act_order=True),
     "gptq-asym": dict(method="gptq", group_size=64, sym=False),
     "gptq-8bit": dict(method="gptq", bits=8, group_size=-1),
+    "gptq-lm-head": dict(method="gptq", group_size=32, act_order=True, lm_head=True),
     "int8": dict(method="int8"),
 }
 
@@ -64,7 +66,8 @@ def test_quantization_config_as_the_reference_tools_write_it(case):
                       "desc_act": spec.act_order, "static_groups": False,
                       "sym": name != "gptq-asym", "true_sequential": True,
                       "model_name_or_path": str(out), "model_file_base_name": "model",
-                      "quant_method": "gptq", "checkpoint_format": "gptq"}
+                      "quant_method": "gptq", "checkpoint_format": "gptq",
+                      **({"lm_head": True} if spec.lm_head else {})}  # GPTQModel's key
         assert json.loads((out / "quantize_config.json").read_text()) == qc
     else:
         assert qc == {"quant_method": "int8", "bits": 8, "activation_scheme": "dynamic"}
@@ -100,6 +103,9 @@ def test_tensors_in_the_public_layouts(case, tiny_model_dir):
                 assert t[f"{p}.qweight"].shape == (n_in // pf, n_out)
                 assert t[f"{p}.qzeros"].shape == (groups, n_out // pf)
                 assert t[f"{p}.g_idx"].shape == (n_in,)
+    if spec.lm_head:  # [vocab 256, hidden 64], act-order
+        assert "lm_head.weight" not in t and t["lm_head.g_idx"].shape == (64,)
+        assert t["lm_head.qweight"].shape == (8, 256) and t["lm_head.scales"].shape == (2, 256)
     assert t["model.embed_tokens.weight"].dtype == torch.float16
     assert t["model.layers.0.input_layernorm.weight"].dtype == torch.float16
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -115,9 +121,10 @@ def _dequantized_transformers(src, out, spec):
     t = load_file(str(out / "model.safetensors"))
     qc = _qconfig(out)
     state = {}
+    quantized = PROJ + (("lm_head",) if spec.lm_head else ())
     for name in hf.state_dict():
         mod = name.rpartition(".")[0]
-        if not name.endswith(".weight") or not any(mod.endswith(p) for p in PROJ):
+        if not name.endswith(".weight") or not any(mod.endswith(p) for p in quantized):
             state[name] = t[name].float()
         elif spec.method == "awq":
             state[name] = dequantize_awq(t[f"{mod}.qweight"], t.get(f"{mod}.qzeros"),
@@ -149,8 +156,9 @@ def test_loads_back_with_the_greedy_tokens_of_the_dequantized_model(case, tiny_m
     name, spec, out = case
     hf = _dequantized_transformers(tiny_model_dir, out, spec)
     llm = LLM(str(out), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
-    layer = llm.engine.core.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.quant_method.name == spec.method
+    model = llm.engine.core.runner.model
+    assert model.layers[0].self_attn.qkv_proj.quant_method.name == spec.method
+    assert isinstance(model.lm_head, LinearBase) == spec.lm_head
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     for p in random_prompts(3, seed=21):
         ref, gaps = hf_greedy(hf, p, 16)

@@ -23,3 +23,5 @@ class ModelContext:
     attn_backend: AttentionBackend
     max_model_len: int
     parallel: ParallelContext = field(default_factory=ParallelContext.single)
+    lm_head_quant: QuantMethod | None = None
+    """The LM head's quant method (``quantize_lm_head``), or None for a 16-bit LM head."""

@@ -68,6 +68,9 @@ class QuantMethod(ABC):
     """
 
     name: str = "?"
+    checkpoint_lm_head: bool = False
+    """Whether the checkpoint stores the LM head in this method's format (GPTQModel's
+    ``lm_head: true``); the engine then builds the LM head with this method."""
 
     def __init__(self, config: object | None = None, hf_quant_config: dict | None = None):
         self.config = config

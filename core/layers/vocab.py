@@ -5,6 +5,8 @@ With ``tp_size`` ranks the vocabulary is cut into ``tp_size`` contiguous ranges 
 ``ceil(vocab / tp_size)`` rows (the last one padded with zero rows). The embedding looks up the
 ids of its range, zeroes the others and all-reduces; the LM head computes its range's logits and
 all-gathers them, so every rank has the whole [n, vocab] logits (and samples the same tokens).
+A quantized LM head (`QuantizedLMHead`, ``quantize_lm_head``) is a column-parallel linear layer
+of the quant method's format instead, with the same output.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from .dense import dense_linear
+from .linear import LinearBase, QuantMethod
 
 if TYPE_CHECKING:
     from ..distributed.parallel_state import ParallelContext
@@ -87,4 +91,30 @@ class LMHead(_VocabShard):
         logits = dense_linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.tp.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]
+        return logits.float()
+
+
+class QuantizedLMHead(LinearBase):
+    """The LM head in a quant method's format (``quantize_lm_head``, or a GPTQModel checkpoint
+    with ``lm_head: true``): hidden [n, hidden] -> logits [n, vocab] fp32, as `LMHead`. Loads
+    ``lm_head.weight`` (quantized at load) or the method's own tensors (``lm_head.qweight``
+    ...); a tied model's embedding table is loaded into it as ``weight`` (the embedding itself
+    stays 16-bit). Under tensor parallelism each rank holds ``vocab / tp_size`` rows.
+
+    Raises ConfigError when the vocabulary does not split evenly over the TP ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant_method: QuantMethod,
+                 dtype: torch.dtype, device: torch.device, tp: "ParallelContext | None" = None):
+        tp_size = tp.tp_size if tp is not None else 1
+        if vocab_size % tp_size:
+            raise ConfigError(f"quantized LM head: vocab_size={vocab_size} does not split over "
+                              f"tensor_parallel_size={tp_size}; turn quantize_lm_head off")
+        super().__init__(hidden_size, [vocab_size], False, quant_method, dtype, device,
+                         parallel="column", tp=tp)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.quant_method.apply(self, hidden)
+        if self.tp_size > 1:
+            logits = self.tp.tp_all_gather(logits, dim=-1)
         return logits.float()

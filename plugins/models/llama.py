@@ -31,7 +31,7 @@ from pagebatch.layers.context import ModelContext
 from pagebatch.layers.linear import LinearBase, qkv_output_ranges
 from pagebatch.layers.norm import RMSNorm
 from pagebatch.layers.rotary import RotaryEmbedding, rope_params
-from pagebatch.layers.vocab import LMHead, VocabEmbedding
+from pagebatch.layers.vocab import LMHead, QuantizedLMHead, VocabEmbedding
 
 
 def _linear(ctx: ModelContext, n_in: int, outs: list[int], bias: bool, parallel: str,
@@ -173,8 +173,12 @@ class LlamaForCausalLM(nn.Module):
         if par.is_last_stage:
             self.norm = _norm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
             tied = self.embed_tokens if self.tie_word_embeddings else None
-            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
-                                  tied_to=tied, tp=par)
+            if ctx.lm_head_quant is not None:
+                self.lm_head = QuantizedLMHead(cfg.vocab_size, cfg.hidden_size,
+                                               ctx.lm_head_quant, ctx.dtype, ctx.device, par)
+            else:
+                self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.device,
+                                      tied_to=tied, tp=par)
         attn = self.layers[0].self_attn
         self.num_layers = len(self.layers)  # this stage's: one KV cache tensor each
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's
@@ -225,6 +229,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [n, hidden] -> logits [n, vocab] fp32 (last pipeline stage only)."""
         return self.lm_head(hidden)
 
+    def _head_from_embedding(self) -> bool:
+        """Whether this stage's LM head is loaded from the embedding table: tied, and not
+        stored quantized in the checkpoint (GPTQModel ``lm_head: true`` has its own tensors)."""
+        head = self.lm_head
+        return self.tie_word_embeddings and head is not None and not (
+            isinstance(head, LinearBase) and head.quant_method.checkpoint_lm_head)
+
     def _stage_key(self, key: str) -> str | None:
         """Where checkpoint tensor ``key`` (without "model.") lives on this pipeline stage, or
         None when another stage holds it. Layer indices count from the stage's first layer; on
@@ -236,8 +247,9 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return f"layers.{i - self.start_layer}.{rest}"
         if key == "embed_tokens.weight" and self.embed_tokens is None:
-            return "lm_head.weight" if self.tie_word_embeddings and self.lm_head else None
-        if key == "lm_head.weight" and (self.tie_word_embeddings or self.lm_head is None):
+            return "lm_head.weight" if self._head_from_embedding() else None
+        if key.startswith("lm_head.") and (self.lm_head is None or (
+                self.tie_word_embeddings and key == "lm_head.weight")):
             return None  # tied: loaded with the embedding
         if key.startswith("norm.") and self.norm is None:
             return None
@@ -277,6 +289,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self).__name__}")
+            if key == "embed_tokens.weight" and isinstance(self.lm_head, LinearBase) and (
+                    self._head_from_embedding()):
+                self.lm_head.load("weight", tensor)  # a quantized copy of the tied table
             loaded.add(name)
         for mod in modules.values():
             if isinstance(mod, LinearBase):

@@ -23,7 +23,7 @@ from pagebatch.errors import ConfigError
 
 from . import decoder
 from .awq import awq_layer
-from .gptq import gptq_layer
+from .gptq import GPTQ, gptq_layer
 from .rtn import QuantGrid, QuantizedWeight
 
 METHODS = ("awq", "gptq", "int8")
@@ -37,7 +37,8 @@ class QuantizeSpec:
     sym: None picks the method's usual default (AWQ: zero points, i.e. asymmetric; GPTQ:
     symmetric, as AutoGPTQ). rtn: round to nearest, no calibration (the fast baseline).
     clip: AWQ's clipping search. int8 is per-output-channel round to nearest and ignores the
-    grid options.
+    grid options. lm_head: quantize the LM head too (GPTQ only, GPTQModel's ``lm_head: true``;
+    calibrated on the final-normed hidden states).
     """
 
     method: str
@@ -52,6 +53,7 @@ class QuantizeSpec:
     num_samples: int = 16
     seq_len: int = 128
     seed: int = 0
+    lm_head: bool = False
 
     @property
     def symmetric(self) -> bool:
@@ -78,6 +80,9 @@ class QuantizeSpec:
             raise ConfigError("--act-order is a GPTQ option (desc_act)")
         if self.act_order and self.rtn:
             raise ConfigError("--act-order needs calibration; it cannot go with --rtn")
+        if self.lm_head and self.method != "gptq":
+            raise ConfigError(f"--lm-head with --method {self.method}: only GPTQ checkpoints "
+                              f"store a quantized LM head (GPTQModel's lm_head: true)")
         if self.group_size != -1 and self.group_size <= 0:
             raise ConfigError(f"--group-size {self.group_size}: a positive size or -1")
         if self.num_samples < 1 or self.seq_len < 2:
@@ -177,6 +182,24 @@ def quantize_layers(model: nn.Module, spec: QuantizeSpec, input_ids: torch.Tenso
                 on_linear(f"model.layers.{i}.{name}", results[name])
         if x is not None:
             x = decoder.run(layer, x, kwargs)
+    if spec.lm_head and layers is None:
+        on_linear("lm_head", _quantize_lm_head(model, spec, grid, x))
+
+
+def _quantize_lm_head(model: nn.Module, spec: QuantizeSpec, grid: QuantGrid,
+                      x: torch.Tensor | None) -> QuantizedWeight:
+    """GPTQ (or RTN) of the LM head on the last layer's outputs after the final norm; the head
+    gets its own dequantized weight (a tied embedding table stays as it was)."""
+    head = model.lm_head
+    if x is not None:
+        solver = GPTQ(head.in_features, head.weight.device)
+        solver.add_batch(model.model.norm(x))
+        qw = solver.quantize(head.weight, grid, act_order=spec.act_order,
+                             damp=spec.damp_percent)
+    else:
+        qw = grid.quantize(head.weight)
+    head.weight = nn.Parameter(qw.dequantize().to(head.weight.dtype), requires_grad=False)
+    return qw
 
 
 def _quantize_layer(layer: nn.Module, layout: decoder.DecoderLayout, spec: QuantizeSpec,
@@ -219,7 +242,8 @@ def quantization_config(spec: QuantizeSpec, out_dir: Path) -> dict[str, Any]:
         return awq_quantization_config(spec.bits, spec.group_size, not spec.symmetric)
     if spec.method == "gptq":
         return gptq_quantization_config(spec.bits, spec.group_size, spec.symmetric,
-                                        spec.act_order, spec.damp_percent, out_dir)
+                                        spec.act_order, spec.damp_percent, out_dir,
+                                        spec.lm_head)
     return int8_quantization_config()
 
 

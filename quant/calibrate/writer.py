@@ -4,7 +4,8 @@
   ``quantization_config`` exactly as AutoAWQ's ``AwqConfig.to_transformers_dict`` writes it.
 - ``gptq``: AutoGPTQ tensors (qweight, qzeros, scales, g_idx) in checkpoint_format "gptq" (v1:
   zero points stored minus one), ``quantization_config`` and quantize_config.json as AutoGPTQ's
-  ``BaseQuantizeConfig.to_dict``.
+  ``BaseQuantizeConfig.to_dict``; ``--lm-head`` quantizes ``lm_head`` too and adds GPTQModel's
+  ``"lm_head": true``.
 - ``int8``: int8 ``weight`` with fp32 per-output-channel ``weight_scale``, what the ``int8``
   quant method (quant/int8.py) loads.
 
@@ -40,12 +41,15 @@ def awq_quantization_config(bits: int, group_size: int, zero_point: bool) -> dic
 
 
 def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,
-                             damp_percent: float, out_dir: Path) -> dict[str, Any]:
-    """AutoGPTQ's ``BaseQuantizeConfig.to_dict`` (quantize_config.json and config.json)."""
-    return {"bits": bits, "group_size": group_size, "damp_percent": damp_percent,
-            "desc_act": desc_act, "static_groups": False, "sym": sym, "true_sequential": True,
-            "model_name_or_path": str(out_dir), "model_file_base_name": "model",
-            "quant_method": "gptq", "checkpoint_format": "gptq"}
+                             damp_percent: float, out_dir: Path,
+                             lm_head: bool = False) -> dict[str, Any]:
+    """AutoGPTQ's ``BaseQuantizeConfig.to_dict`` (quantize_config.json and config.json); with
+    ``lm_head`` also GPTQModel's ``"lm_head": true`` (the LM head's tensors are quantized)."""
+    config = {"bits": bits, "group_size": group_size, "damp_percent": damp_percent,
+              "desc_act": desc_act, "static_groups": False, "sym": sym, "true_sequential": True,
+              "model_name_or_path": str(out_dir), "model_file_base_name": "model",
+              "quant_method": "gptq", "checkpoint_format": "gptq"}
+    return {**config, "lm_head": True} if lm_head else config
 
 
 def int8_quantization_config() -> dict[str, Any]:
