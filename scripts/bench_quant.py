@@ -177,12 +177,15 @@ def _candidates(m: int, bits: int, group_size: int) -> list[dict]:
         # per thread: enough bytes in flight to stream from HBM without spilling registers
         # (prefetch: the next iteration's words loaded before this one's are used; splits that
         # are not powers of two to fit the grid to the SMs' program slots)
-        for bn, sub, sk, warps, pre in itertools.product((32, 64, 128), (1, 2),
-                                                         (2, 3, 4, 6, 8, 12, 16), (2, 4), (0, 1)):
+        # (half2: the fp16x2 fields of quant/kernels/wna16_half2.py, 4 bits at one row)
+        halves = (0, 1) if m == 1 and bits == 4 and kp >= 2 else (0,)
+        for bn, sub, sk, warps, pre, h2 in itertools.product(
+                (32, 64, 128), (1, 2), (2, 3, 4, 6, 8, 12, 16), (2, 4), (0, 1), halves):
             words = bn * kp * sub
             if (1024 <= words <= 8192 and 8 <= words // (32 * warps) <= 32 - 16 * pre):
                 out.append(dict(kernel="gemv", block_n=bn, block_kp=kp, sub_tiles=sub,
-                                split_k=sk, prefetch=pre, num_warps=warps, num_stages=3))
+                                split_k=sk, prefetch=pre, num_warps=warps, num_stages=3,
+                                **({"half2": h2} if len(halves) > 1 else {})))
     if m == 1 and out:  # the tensor-core GEMM never won at one row (session-3 to -5 tunings)
         return out
     for bn, bk, sk, stages in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8, 16),
@@ -274,6 +277,16 @@ def _run_w4a16(x, args, bits: int, gs: int, cfg: dict, gated: bool):
     return out
 
 
+def _tune_shapes(names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """(K, N) by name from SHAPES and TUNE_EXTRA_SHAPES; all of SHAPES when ``names`` is
+    empty. Raises SystemExit naming an unknown shape."""
+    known = {**SHAPES, **TUNE_EXTRA_SHAPES}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"--shapes {','.join(bad)}: choose from {', '.join(known)}")
+    return {n: known[n] for n in names} if names else SHAPES
+
+
 def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16),
                shapes: tuple[str, ...] = ()) -> None:
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
@@ -284,8 +297,7 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16),
     print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
     path, table = _tuned_table("wna16", tune_dir)
     bits = 4
-    todo = {name: {**SHAPES, **TUNE_EXTRA_SHAPES}[name] for name in shapes} if shapes else SHAPES
-    for m, (shape, (k, n)) in itertools.product(rows, todo.items()):
+    for m, (shape, (k, n)) in itertools.product(rows, _tune_shapes(shapes).items()):
         layer, x, next_args = _awq_problem(m, k, n)
         gs = layer.wgroup_size
         gated = shape in GATED_SHAPES  # decode runs it through the gated GEMV (or + SiLU)
@@ -389,13 +401,14 @@ def _mma_candidates(m: int, group_size: int) -> list[dict]:
             for bn, sk, warps, stages in shapes if not (m == 1 and bn == 64)]
 
 
-def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
+def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...],
+                   shapes: tuple[str, ...] = ()) -> None:
     """The tensor-core W4A16 kernel against the path configured now (`pick_config`: the
     packaged table, else heuristics) at decode sizes of the 8B shapes (AWQ g128), the gate/up
     shapes gated as decode runs them: every candidate checked before and after its timed
     replays. Where the kernel's best is faster, it becomes that shape and M's entry of the
     ``wna16`` table, written to ``tune_dir`` (starting from the packaged table, whose other
-    entries are kept)."""
+    entries are kept). ``shapes``: as `bench_tune`'s."""
     from pagebatch.kernels import tuned
 
     print("== W4A16 tensor-core kernel vs the path configured now (us) ==", flush=True)
@@ -404,7 +417,7 @@ def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...]) -> None:
     if path is not None and not table and packaged.is_file():
         table = json.loads(packaged.read_text())
     bits = 4
-    for m, (shape, (k, n)) in itertools.product(rows, SHAPES.items()):
+    for m, (shape, (k, n)) in itertools.product(rows, _tune_shapes(shapes).items()):
         layer, x, next_args = _awq_problem(m, k, n)
         gs = layer.wgroup_size
         nb = sum(b.numel() * b.element_size() for b in (layer.qweight, layer.scales, layer.zeros))
@@ -494,8 +507,8 @@ def main() -> int:
                     help="tune-dense: only shapes whose names start with these prefixes "
                     "(comma-separated, e.g. 8b-tp2.)")
     ap.add_argument("--shapes", default="",
-                    help="tune: only these 8B shapes (comma-separated names: qkv, o, gate_up, "
-                    "down, lm_head; default the first four)")
+                    help="tune, tune-mma: only these 8B shapes (comma-separated names: qkv, "
+                    "o, gate_up, down, lm_head; default the first four)")
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -510,7 +523,7 @@ def main() -> int:
         elif part == "tune-dense":
             bench_tune_dense(args.tune, rows, tuple(filter(None, args.dense_shapes.split(","))))
         elif part == "tune-mma":
-            bench_tune_mma(args.tune, rows)
+            bench_tune_mma(args.tune, rows, tuple(filter(None, args.shapes.split(","))))
         elif part == "tinygemm":
             bench_tinygemm(rows)
         else:

@@ -6,8 +6,10 @@ cuobjdump disassembles, no GPU needed. docs/benchmarks.md (session 5) quotes it:
   python3 scripts/sass_count.py --block-n 64 --block-kp 16 --split-k 8 --num-warps 2
 
 prints the loop's instruction count, the words (int32 of 8 4-bit fields) each thread handles per
-iteration, and the mix by opcode. Kernel parameters are read from the kernel's own signature, so
-the same command measures an older tree's kernel (``git checkout REV -- quant/kernels``)."""
+iteration, and the mix by opcode (``--half2``: the fp16x2 fields of quant/kernels/
+wna16_half2.py; ``--dtype``, ``--masked``: other activation dtypes, the masked loads). Kernel
+parameters are read from the kernel's own signature, so the same command measures an older
+tree's kernel (``git checkout REV -- quant/kernels``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ ALIGNED = {"N", "K", "group_size", "stride_xm", "stride_qk", "stride_qn", "strid
 
 
 def compile_sass(a: argparse.Namespace) -> str:
+    ptrs = dict(PTRS)
     if a.mma:
         from pagebatch.quant.kernels.w4a16_mma import _w4a16_mma_kernel as kernel
 
@@ -37,17 +40,19 @@ def compile_sass(a: argparse.Namespace) -> str:
     else:
         from pagebatch.quant.kernels.wna16_gemv import _wna16_gemv_kernel as kernel
 
+        ptrs.update({p: "*" + a.dtype for p in ("x_ptr", "s_ptr", "z_ptr", "out_ptr")})
+
         consts = dict(BITS=4, SPLIT_K=a.split_k, BLOCK_N=a.block_n, BLOCK_KP=a.block_kp,
-                      SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=True, PREFETCH=a.prefetch,
-                      GATED=a.gated, PDL=False)
+                      SUB=a.sub_tiles, GROUP_SHIFT=0, EVEN=not a.masked, PREFETCH=a.prefetch,
+                      GATED=a.gated, HALF2=a.half2, USE_ASM=True, PDL=False)
     names = [p.name for p in kernel.params]
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in consts:
             sig[name] = "constexpr"
         else:
-            sig[name] = PTRS.get(name, "i32")
-            if name in PTRS or name in ALIGNED:
+            sig[name] = ptrs.get(name, "i32")
+            if name in ptrs or name in ALIGNED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
@@ -95,6 +100,12 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--gated", action="store_true",
                     help="the gate/up product with SiLU-and-mul in its epilogue")
+    ap.add_argument("--half2", action="store_true",
+                    help="the GEMV's fp16x2 fields (wna16_gemv(half2=True))")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                    help="the GEMV's activations, scales, zeros and output")
+    ap.add_argument("--masked", action="store_true",
+                    help="the GEMV's masked loads (K or N not a multiple of the tile)")
     a = ap.parse_args()
     ops = main_loop(compile_sass(a))
     if a.mma:

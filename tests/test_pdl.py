@@ -57,8 +57,11 @@ def _cases():
                        dict(x_ptr=P16, q_ptr=I32, s_ptr=P16, z_ptr=P16, out_ptr=P16, ws_ptr=F32,
                             cnt_ptr=I32), set(),
                        dict(BITS=4, SPLIT_K=4, BLOCK_N=64, BLOCK_KP=16, SUB=1, GROUP_SHIFT=0,
-                            EVEN=True, PREFETCH=True, GATED=False), True),
+                            EVEN=True, PREFETCH=True, GATED=False, HALF2=False, USE_ASM=True),
+                       True),
     }
+    kernel, ptrs, floats, consts, first = cases["wna16_gemv"]  # the fp16x2 fields
+    cases["wna16_gemv_half2"] = (kernel, ptrs, floats, {**consts, "HALF2": True}, first)
     cases["one_shot_all_reduce"] = (
         allreduce._one_shot_kernel,
         dict(x_ptr=P16, res_ptr=P16, w_ptr=P16, out_ptr=P16, res_out_ptr=P16, buf_ptr=P16,

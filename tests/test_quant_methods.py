@@ -361,3 +361,24 @@ def test_int8_fp8_cuda_paths(kind, k, n, m):
         ref = x.double() @ method.dequantized_weight(layer).double().t()
     tol = 0.05 if kind == "fp8" and layer.use_scaled_mm else 0.01  # fp8 activations on sm89+
     assert rel_err(layer(x), ref) < tol
+
+
+def test_half2_configs_only_for_16bit_activations(monkeypatch):
+    """A tuned ``half2`` GEMV config is used as it is for bf16/fp16 activations; fp32
+    activations, or ``PAGEBATCH_W4A16_HALF2=0``, keep the fp32 fields (no kernel runs here)."""
+    from pagebatch.quant.kernels import wna16
+
+    cfg = dict(kernel="gemv", block_n=64, block_kp=16, split_k=4, half2=1)
+    monkeypatch.setattr(wna16, "pick_config", lambda *a, **k: dict(cfg))
+    monkeypatch.setattr(wna16, "_chosen", {})
+    q = torch.zeros(8, 64, dtype=torch.int32)
+    for dtype, want in ((torch.bfloat16, 1), (torch.float16, 1), (torch.float32, 0)):
+        assert wna16._config(torch.zeros(1, 64, dtype=dtype), q, 4, 64, None)["half2"] == want
+    monkeypatch.setattr(wna16, "_chosen", {})
+    monkeypatch.setenv(wna16.HALF2_ENV, "0")
+    wna16.half2_allowed.cache_clear()
+    try:
+        assert wna16._config(torch.zeros(1, 64, dtype=torch.bfloat16), q, 4, 64, None)[
+            "half2"] == 0
+    finally:
+        wna16.half2_allowed.cache_clear()

@@ -8,7 +8,9 @@ checkpoints are repacked into once at load:
 
 The weights are dequantized in registers, tile by tile, and never written out. Paths:
 
-- batch 1 (and the decode sizes a tuned table gives it): the CUDA-core GEMV of wna16_gemv.py;
+- batch 1 (and the decode sizes a tuned table gives it): the CUDA-core GEMV of wna16_gemv.py,
+  with the fp16x2 fields of wna16_half2.py where the table says ``half2`` (16-bit activations;
+  ``PAGEBATCH_W4A16_HALF2=0`` turns them off);
 - decode sizes where the tuned table says so (4 bits, 16-bit activations): the tensor-core
   kernel of w4a16_mma.py (up to 16 rows for the price of one: on an H200 the 8B gate/up
   product at 16 rows takes 45 us there against 117 us on the split-K GEMM below);
@@ -26,6 +28,9 @@ Group handling (``GROUP_MODE``): 0 — a K tile lies inside one group (``BLOCK_K
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +45,15 @@ DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench
 DECODE_MAX_M = 16
 _chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device and activation dtype
 _MMA_DTYPES = (torch.bfloat16, torch.float16)
+HALF2_ENV = "PAGEBATCH_W4A16_HALF2"
+
+
+@functools.cache
+def half2_allowed() -> bool:
+    """Whether tuned configs may take the GEMV's fp16x2 fields (``half2``; 16-bit activations
+    only, read as fp16: see quant/kernels/wna16_half2.py for the range and precision);
+    ``PAGEBATCH_W4A16_HALF2=0`` keeps the fp32 arithmetic (read once per process)."""
+    return os.environ.get(HALF2_ENV, "1") != "0"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -171,9 +185,10 @@ def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
 def run_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None,
                cfg: dict, gated: bool = False) -> torch.Tensor | None:
-    """Run the product with a config of `pick_config` (or a sweep's). ``gated``: SiLU-and-mul
-    of the product (W's N columns N/2 gate then N/2 up) through the kernel's gated epilogue, or
-    None where the config's kernel (the split-K GEMM) has none."""
+    """Run the product with a config of `pick_config` (or a sweep's; its other keys are the
+    kernel's keywords, e.g. the GEMV's ``half2`` 0/1). ``gated``: SiLU-and-mul of the product
+    (W's N columns N/2 gate then N/2 up) through the kernel's gated epilogue, or None where the
+    config's kernel (the split-K GEMM) has none."""
     params = {key: v for key, v in cfg.items() if key != "kernel"}
     if cfg.get("kernel") == "gemv":
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size, gated=gated, **params)
@@ -274,5 +289,7 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
         cfg = pick_config(*key[:-1])
         if cfg.get("kernel") == "mma" and x.dtype not in _MMA_DTYPES:
             cfg = pick_config(*key[:-1], tuned_table=False)  # fp32 activations: no MMA path
+        if cfg.get("half2") and (x.dtype not in _MMA_DTYPES or not half2_allowed()):
+            cfg = {**cfg, "half2": 0}  # fp32 activations keep fp32 arithmetic
         _chosen[key] = cfg
     return cfg
