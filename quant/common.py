@@ -83,12 +83,12 @@ def load_channel_scale(method: str, layer: LinearBase, name: str, tensor: Tensor
 
 
 def load_per_channel(method: str, layer: LinearBase, name: str, tensor: Tensor,
-                     shard: int | None, dtype: torch.dtype, quantize: Any,
-                     from_checkpoint: bool = False) -> None:
+                     shard: int | None, dtype: torch.dtype, quantize: Any) -> None:
     """One checkpoint tensor of a per-output-channel method (int8, fp8): ``weight`` ``[out,
-    in]`` already in ``dtype`` (or ``from_checkpoint``: its values widened by the loader, cast
-    back exactly) or a 16-bit weight quantized at load by ``quantize(w) -> (weight, scale)``;
-    ``weight_scale`` (`load_channel_scale`); ``bias``. Raises ValueError for other names."""
+    in]`` already in ``dtype`` (copied; the loader keeps 1-byte tensors as they are stored) or
+    a 16-bit weight quantized at load by ``quantize(w) -> (weight, scale)`` (also the 16-bit
+    LM head of a quantized checkpoint, ``quantize_lm_head``); ``weight_scale``
+    (`load_channel_scale`); ``bias``. Raises ValueError for other names."""
     if name == "bias":
         return load_bias(method, layer, tensor, shard)
     if name == "weight_scale":  # [out], [out, 1] or a scalar
@@ -99,7 +99,7 @@ def load_per_channel(method: str, layer: LinearBase, name: str, tensor: Tensor,
     start, size = layer.shard_offset(shard)
     rows = layer.weight.narrow(0, start, size)
     tensor = layer.shard_checkpoint_tensor(tensor, shard, output_dim=0, input_dim=1)
-    if from_checkpoint or tensor.dtype == dtype:
+    if tensor.dtype == dtype:
         copy_rows(method, rows, name, tensor.to(dtype), shard)
     else:
         q, s = quantize(tensor.to(rows.device))

@@ -48,7 +48,6 @@ class FP8Method(QuantMethod):
     def __init__(self, config=None, hf_quant_config=None):
         super().__init__(config, hf_quant_config)
         hf = hf_quant_config
-        self.from_checkpoint = bool(hf)
         check_allowed("fp8", "activation_scheme",
                       config_field(hf, ("activation_scheme",), "dynamic"), ("dynamic",))
         check_allowed("fp8", "weight_block_size",
@@ -66,7 +65,7 @@ class FP8Method(QuantMethod):
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
         load_per_channel(self.name, layer, name, tensor, shard, torch.float8_e4m3fn,
-                         quantize_fp8_per_channel, self.from_checkpoint)
+                         quantize_fp8_per_channel)
 
     def load_dummy_weights(self, layer: LinearBase, generator: torch.Generator) -> None:
         load_dummy_per_channel(layer, generator, quantize_fp8_per_channel)

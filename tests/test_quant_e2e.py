@@ -193,3 +193,43 @@ def test_quantize_lm_head_errors(tiny_model_dir, tmp_path):
     qdir, _ = _quantize_folder(tiny_model_dir, tmp_path, "gptq", lm_head=True)
     with pytest.raises(ConfigError, match="LM head is stored quantized"):
         LLM(str(qdir), device="cpu", num_kv_blocks=64, quantize_lm_head=False)
+    # a tensor of the quantized head missing: the error names the layer and the tensor
+    from safetensors.torch import load_file, save_file
+
+    f = next(qdir.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    del tensors["lm_head.qzeros"]
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match=r"lm_head: gptq: .* lacks .*\['qzeros'\]"):
+        LLM(str(qdir), device="cpu", num_kv_blocks=64)
+
+
+def test_quantize_lm_head_of_an_fp8_checkpoint(tiny_model_dir, tmp_path):
+    """An fp8 checkpoint keeps its LM head 16-bit (llm-compressor ignores lm_head): with
+    ``quantize_lm_head`` that head should be quantized at load with per-channel scales, not
+    cast to fp8 as if it held fp8 values (weights of ~0.002 are mostly fp8 subnormals)."""
+    from safetensors.torch import load_file, save_file
+
+    from pagebatch.quant.packing import quantize_fp8_per_channel
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(tiny_model_dir, folder)
+    f = next(folder.glob("*.safetensors"))
+    tensors = {}
+    for name, t in load_file(str(f)).items():
+        if any(f".{p}." in name for p in PROJ):
+            q, s = quantize_fp8_per_channel(t)
+            tensors[name], tensors[name.replace(".weight", ".weight_scale")] = q, s.float()
+        else:
+            tensors[name] = (t * 0.01 if name == "lm_head.weight" else t).to(torch.bfloat16)
+    save_file(tensors, str(f))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              quantize_lm_head=True)
+    head = llm.engine.core.runner.model.lm_head
+    assert isinstance(head, QuantizedLMHead) and head.quant_method.name == "fp8"
+    w = tensors["lm_head.weight"].float()
+    err = (head.quant_method.dequantized_weight(head) - w).norm() / w.norm()
+    assert err < 0.05, err  # e4m3 per channel ~0.03; cast without a scale: ~0.28

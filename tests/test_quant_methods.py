@@ -175,13 +175,13 @@ def test_fp8_apply_equals_dequantized(layout, source):
     from_ckpt = source == "fp8"
     layer = _layer(FP8Method(None, {"quant_method": "fp8"} if from_ckpt else None), outs)
     ws = [torch.randn(o, K) * 0.1 for o in outs]
-    if from_ckpt:  # per-tensor scales, one per shard, widened to fp32 by the loader
+    if from_ckpt:  # per-tensor scales, one per shard, fp8 weights as stored
         shards = []
         for w in ws:
             scale = w.abs().max() / 448.0
-            shards.append({"weight": (w / scale).to(torch.float8_e4m3fn).float(),
+            shards.append({"weight": (w / scale).to(torch.float8_e4m3fn),
                            "weight_scale": scale.reshape(())})
-        ref_w = torch.cat([d["weight"] * d["weight_scale"] for d in shards])
+        ref_w = torch.cat([d["weight"].float() * d["weight_scale"] for d in shards])
         _load(layer, shards)
     else:
         qs = [quantize_fp8_per_channel(w) for w in ws]
@@ -281,7 +281,7 @@ def _tp_checkpoint(kind, outs, seed=0):
         if kind in ("int8", "fp8"):
             w = torch.randn(out, K, generator=torch.Generator().manual_seed(seed + i)) * 0.1
             q, s = (quantize_int8_per_channel if kind == "int8" else quantize_fp8_per_channel)(w)
-            shards.append({"weight": q if kind == "int8" else q.float(), "weight_scale": s})
+            shards.append({"weight": q, "weight_scale": s})
             ws.append(q.float() * s[:, None])
             continue
         q, z, s = _convention(out, 4, 32, seed=seed + i, zero_min=1)

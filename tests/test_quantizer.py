@@ -161,6 +161,19 @@ def test_cli_quantize_writes_a_folder(tiny_model_dir, tmp_path, capsys):
     assert rc == 2 and "--group-size 48 does not divide" in capsys.readouterr().err
 
 
+def test_lm_head_vocab_must_pack(tmp_path):
+    """--lm-head on a vocabulary that GPTQ's qzeros cannot pack (not a multiple of 8 at 4 bits):
+    a ConfigError before any layer is quantized, not a packing error after all of them."""
+    from conftest import build_tiny_model
+    from pagebatch.quant.calibrate import quantize
+
+    folder = build_tiny_model(tmp_path / "v252", vocab_size=252)
+    with pytest.raises(ConfigError, match="--lm-head: the LM head's 252 outputs"):
+        quantize(folder, tmp_path / "q", QuantizeSpec("gptq", group_size=32, rtn=True,
+                                                      lm_head=True), progress=False)
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.fixture(scope="module")
 def autogptq_gptq():
     """AutoGPTQ's own auto_gptq/quantization/gptq.py (and its quantizer.py), loaded from the

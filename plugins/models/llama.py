@@ -239,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
     def _stage_key(self, key: str) -> str | None:
         """Where checkpoint tensor ``key`` (without "model.") lives on this pipeline stage, or
         None when another stage holds it. Layer indices count from the stage's first layer; on
-        a last stage without the embedding, a tied LM head loads the embedding table."""
+        a last stage without the embedding, a tied LM head loads the embedding table (unless
+        the checkpoint stores the head quantized: GPTQModel's ``lm_head: true``)."""
         if key.startswith("layers."):
             index, rest = key[len("layers."):].split(".", 1)
             i = int(index)
@@ -250,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
             return "lm_head.weight" if self._head_from_embedding() else None
         if key.startswith("lm_head.") and (self.lm_head is None or (
                 self.tie_word_embeddings and key == "lm_head.weight")):
-            return None  # tied: loaded with the embedding
+            return None  # another stage's head, or tied: loaded with the embedding
         if key.startswith("norm.") and self.norm is None:
             return None
         return key
@@ -293,10 +294,23 @@ class LlamaForCausalLM(nn.Module):
                     self._head_from_embedding()):
                 self.lm_head.load("weight", tensor)  # a quantized copy of the tied table
             loaded.add(name)
-        for mod in modules.values():
+        for path, mod in modules.items():
             if isinstance(mod, LinearBase):
-                mod.quant_method.process_weights_after_loading(mod)
+                try:
+                    mod.quant_method.process_weights_after_loading(mod)
+                except ValueError as e:  # e.g. a tensor missing: name the layer
+                    if type(e) is not ValueError:  # ConfigError & co. keep their type
+                        raise
+                    raise ValueError(f"{self._checkpoint_module(path)}: {e}") from e
         return loaded
+
+    def _checkpoint_module(self, path: str) -> str:
+        """Module ``path`` for messages, with the checkpoint's layer index (a pipeline stage
+        counts its layers from 0), e.g. ``model.layers.5.self_attn.qkv_proj``, ``lm_head``."""
+        if path.startswith("layers."):
+            index, rest = path[len("layers."):].split(".", 1)
+            return f"model.layers.{int(index) + self.start_layer}.{rest}"
+        return path
 
 
 @hookimpl

@@ -139,7 +139,14 @@ def layer0_inputs(model: nn.Module, input_ids: torch.Tensor
 
 
 def check_shapes(model: nn.Module, layout: decoder.DecoderLayout, spec: QuantizeSpec) -> None:
-    """Every linear's input size must be a multiple of the group size (ConfigError)."""
+    """Every linear's input size must be a multiple of the group size, and with ``--lm-head``
+    the vocabulary a multiple of the values packed per int32 (ConfigError, before any
+    calibration)."""
+    pf = 32 // spec.bits
+    if spec.lm_head and model.lm_head.out_features % pf:  # GPTQ only (validate)
+        raise ConfigError(f"--lm-head: the LM head's {model.lm_head.out_features} outputs "
+                          f"(vocab_size) are not a multiple of {pf} ({spec.bits}-bit zero points "
+                          f"packed {pf} per int32 in GPTQ's qzeros); drop --lm-head")
     if spec.method == "int8" or spec.group_size == -1:
         return
     layer = model.model.layers[0]
