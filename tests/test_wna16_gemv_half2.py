@@ -137,6 +137,12 @@ def test_half2_reads_x_at_an_odd_address():
     out = wna16_gemv(buf[1:].view(1, 256), qw, s, z, 4, 128, block_n=32, block_kp=16,
                      half2=True)
     assert _rel(out, ref) < TOL[torch.float16]
+    # two rows 258 apart (the second row 4 bytes off an 8-byte boundary)
+    x2, qw, s, z, ref2 = _problem(2, 32, 256, 128, torch.float16, seed=8)
+    buf = torch.zeros(2, 258, dtype=x2.dtype, device=DEVICE)
+    buf[:, :256] = x2
+    out = wna16_gemv(buf[:, :256], qw, s, z, 4, 128, block_n=32, block_kp=16, half2=True)
+    assert _rel(out, ref2) < TOL[torch.float16]
 
 
 def test_run_config_honours_half2():

@@ -256,8 +256,9 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GEMV: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
                          f"(strides {scales.stride()}, {zeros.stride()}) must be [>= {groups}, "
                          f"{n}] alike with unit column stride, qweight unit column stride")
-    if half2 and x.dtype != torch.float32 and x.data_ptr() % 8:
-        x = x.clone()  # the half2 path reads 16-bit x four at a time
+    if half2 and x.dtype != torch.float32 and (x.data_ptr() % 8 or x.stride(0) % 4):
+        # 16-bit x is read four at a time (int64): a fresh copy is aligned
+        x = x.clone(memory_format=torch.contiguous_format)
     b = launch_buffers(x, n, block_n, split_k, "GEMV", gated)
     block_k = block_kp * pf
     tiles_per_group = group_size // block_k
