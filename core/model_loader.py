@@ -146,22 +146,21 @@ def select_quantization(requested: str | None, hf_config: Any,
     return requested or found or "fp16", hf
 
 
-def lm_head_quant(config: Any, quant_name: str, quant: Any) -> Any:
+def lm_head_quant(config: Any, quant: Any) -> Any:
     """The LM head's quant method: ``quant`` when ``quantize_lm_head`` is on, or unset and the
     checkpoint's LM head is quantized (``quant.checkpoint_lm_head``); else None (16-bit).
 
     Raises ConfigError for ``quantize_lm_head: true`` without a quantization method (fp16), and
     for ``false`` on a checkpoint whose LM head is stored quantized."""
-    want = config.quantize_lm_head
-    stored = bool(getattr(quant, "checkpoint_lm_head", False))
+    want, stored = config.quantize_lm_head, quant.checkpoint_lm_head
     if want is None:
         return quant if stored else None
-    if want and quant_name == "fp16":
+    if want and quant.name == "fp16":
         raise ConfigError("quantize_lm_head: true needs a quantization method (int8, fp8, awq, "
                           "gptq); quantization is fp16")
     if not want and stored:
         raise ConfigError(f"quantize_lm_head: false, but the checkpoint's LM head is stored "
-                          f"quantized ({quant_name} lm_head: true); drop the key")
+                          f"quantized ({quant.name} lm_head: true); drop the key")
     return quant if want else None
 
 

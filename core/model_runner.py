@@ -92,7 +92,7 @@ class ModelRunner:
         if config.custom_all_reduce and self.parallel.tp_size > 1:
             self._set_up_fused_all_reduce(int(hf_config.hidden_size))
         ctx = ModelContext(self.dtype, self.device, quant, self.attn_backend, max_model_len,
-                           self.parallel, lm_head_quant(config, quant_name, quant))
+                           self.parallel, lm_head_quant(config, quant))
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
         # a pipeline stage whose model has forward_stage: the runner moves the hidden states

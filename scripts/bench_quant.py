@@ -288,12 +288,13 @@ def _tune_shapes(names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
 
 
 def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16),
-               shapes: tuple[str, ...] = ()) -> None:
+               shapes: tuple[str, ...] = (), half2_only: bool = False) -> None:
     """Every candidate config of the W4A16 kernels at the decode sizes of the 8B shapes (AWQ
     g128, 4 bits): each checked against the reference (also after its timed replays, which
     catches split-K counters left non-zero), the fastest kept per shape and M; written as the
     tuned table of core/kernels/tuned.py when ``tune_dir`` is given. ``shapes``: names of
-    SHAPES / TUNE_EXTRA_SHAPES (default: SHAPES)."""
+    SHAPES / TUNE_EXTRA_SHAPES (default: SHAPES). ``half2_only``: only the GEMV's fp16x2
+    candidates, timed against the configured path ("default")."""
     print("== W4A16 tuning (us; default = heuristics) ==", flush=True)
     path, table = _tuned_table("wna16", tune_dir)
     bits = 4
@@ -306,7 +307,10 @@ def bench_tune(tune_dir: str | None, rows: tuple[int, ...] = (1, 2, 4, 8, 16),
             return _run_w4a16(x, next_args(), bits, gs, cfg, gated)
 
         ref = reference(layer, x)
-        results = _time_candidates(_candidates(m, bits, gs), run,
+        cands = _candidates(m, bits, gs)
+        if half2_only:
+            cands = [c for c in cands if c.get("half2")]
+        results = _time_candidates(cands, run,
                                    _rel_ok(silu_and_mul_torch(ref) if gated else ref, 2e-2))
         if not results:
             print(f"  {shape:8s} M={m:3d} no config ran")
@@ -509,6 +513,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="",
                     help="tune, tune-mma: only these 8B shapes (comma-separated names: qkv, "
                     "o, gate_up, down, lm_head; default the first four)")
+    ap.add_argument("--half2-only", action="store_true",
+                    help="tune: only the GEMV's fp16x2 (half2) candidates at one row")
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -519,7 +525,8 @@ def main() -> int:
     for part in parts:
         rows = tuple(int(v) for v in args.tune_m.split(","))
         if part == "tune":
-            bench_tune(args.tune, rows, tuple(filter(None, args.shapes.split(","))))
+            bench_tune(args.tune, rows, tuple(filter(None, args.shapes.split(","))),
+                       args.half2_only)
         elif part == "tune-dense":
             bench_tune_dense(args.tune, rows, tuple(filter(None, args.dense_shapes.split(","))))
         elif part == "tune-mma":

@@ -44,7 +44,7 @@ from .wna16_gemv import gemv_supported, wna16_gemv
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
 DECODE_MAX_M = 16
 _chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device and activation dtype
-_MMA_DTYPES = (torch.bfloat16, torch.float16)
+_ACT16 = (torch.bfloat16, torch.float16)  # activations the MMA kernel and half2 take
 HALF2_ENV = "PAGEBATCH_W4A16_HALF2"
 
 
@@ -287,9 +287,9 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
     cfg = _chosen.get(key)
     if cfg is None:  # first product of this shape: heuristics or the tuned table, once
         cfg = pick_config(*key[:-1])
-        if cfg.get("kernel") == "mma" and x.dtype not in _MMA_DTYPES:
+        if cfg.get("kernel") == "mma" and x.dtype not in _ACT16:
             cfg = pick_config(*key[:-1], tuned_table=False)  # fp32 activations: no MMA path
-        if cfg.get("half2") and (x.dtype not in _MMA_DTYPES or not half2_allowed()):
-            cfg = {**cfg, "half2": 0}  # fp32 activations keep fp32 arithmetic
+        if cfg.get("half2") and (x.dtype not in _ACT16 or not half2_allowed()):
+            cfg = {**cfg, "half2": 0}  # fp32 activations (or the env) keep fp32 fields
         _chosen[key] = cfg
     return cfg
