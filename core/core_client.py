@@ -26,8 +26,9 @@ from typing import Any
 from .config import EngineConfig
 from .core_proc import CoreBusyLoop, run_engine_core
 from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
-                          EngineCoreShutdown, EngineCoreStats, ModelSetup)
+                          EngineCoreShutdown, EngineCoreStats)
 from .errors import EngineDeadError
+from .model_setup import ModelSetup
 from .registry import Registry
 
 POLL_S = 0.5  # longest wait on the core's pipe between liveness checks

@@ -119,7 +119,7 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
                      name="pagebatch-core-input", daemon=True).start()
     try:
         output_conn.send(("ready", {"pid": os.getpid(), "num_kv_blocks": core.kv_cache.num_blocks,
-                                    "max_model_len": core.max_model_len}))
+                                    "max_model_len": core.setup.max_model_len}))
         while not loop.stopped:
             outputs = loop.run_once()
             if outputs or not loop.stopped:  # a prefill chunk's step has no outputs, but its

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .engine_core import (EngineCore, EngineCoreOutput, EngineCoreRequest, ModelSetup,
-                          resolve_model_setup)
+from .engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest
+from .model_setup import ModelSetup, resolve_model_setup
 from .errors import (ContextLengthError, InvalidRequestError, InvalidTokenError, ModelNotFoundError,
                      SamplingParamsError)
 from .model_loader import eos_token_ids, generation_defaults, resolve_model

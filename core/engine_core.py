@@ -20,13 +20,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import EngineConfig, check_token_budget
-from .errors import ConfigError, EngineDeadError
+from .config import EngineConfig
+from .errors import EngineDeadError
 from .executor import StepHandle, build_executor
 from .kv_cache import KVCacheManager
-from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
-from .model_runner import RunnerOutput, SamplingState
+from .model_runner import RunnerOutput
+from .model_setup import ModelSetup, resolve_model_setup
 from .registry import Registry, registry as default_registry
+from .sampling_state import SamplingState
 from .request import FinishReason, LogprobsLists, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -96,59 +97,6 @@ class EngineCoreShutdown:
 
 
 @dataclass
-class ModelSetup:
-    """What building an engine core needs besides the `EngineConfig`, resolved from it: the
-    model's folder, its Hugging Face config, and the token limits that follow from both."""
-
-    source: ModelSource
-    hf_config: Any
-    max_model_len: int
-    max_num_batched_tokens: int
-
-
-def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
-    """Resolve the model and the limits of ``config``. The front half and the engine core's own
-    process both call this. Raises ModelNotFoundError, ConfigError, PluginError."""
-    source = resolve_model(config.model, config.load_format)
-    hf_config = load_hf_config(source.folder)
-    max_model_len = _resolve_max_model_len(config, hf_config, registry)
-    mnbt = config.max_num_batched_tokens or (
-        8192 if config.enable_chunked_prefill else max(max_model_len, 2048))
-    check_token_budget(mnbt, max_model_len, config.enable_chunked_prefill)
-    return ModelSetup(source, hf_config, max_model_len, mnbt)
-
-
-def _resolve_max_model_len(config: EngineConfig, hf_config: Any, registry: Registry) -> int:
-    model_max = getattr(hf_config, "max_position_embeddings", None)
-    want = config.max_model_len
-    if want is None:
-        if model_max is None:
-            raise ConfigError("the model's config.json has no max_position_embeddings: "
-                              "set max_model_len")
-        return _cap_max_model_len(int(model_max), hf_config, registry)
-    if model_max is not None and want > model_max:
-        raise ConfigError(f"max_model_len={want} exceeds the model's "
-                          f"max_position_embeddings={model_max}")
-    return _cap_max_model_len(want, hf_config, registry)
-
-
-def _cap_max_model_len(max_model_len: int, hf_config: Any, registry: Registry) -> int:
-    """Apply the model class's optional ``max_model_len_limit(hf_config) -> int | None``
-    (e.g. Mistral's sliding window, which the attention backends do not implement):
-    a larger max_model_len is lowered to it, with a warning."""
-    arch = architecture(hf_config)
-    limit_fn = getattr(registry.model_class(arch), "max_model_len_limit", None)
-    limit = limit_fn(hf_config) if limit_fn is not None else None
-    if limit is not None and limit < max_model_len:
-        logger.warning("max_model_len lowered from %d to %d: %s runs this config exactly "
-                       "only up to %d tokens (its max_model_len_limit, e.g. a sliding "
-                       "attention window, which the attention backends do not implement)",
-                       max_model_len, limit, arch, limit)
-        return int(limit)
-    return max_model_len
-
-
-@dataclass
 class _InFlight:
     """A step started and not yet updated from. ``sampling``: request id -> (request, its
     preemption count) at schedule time, for each row that samples (kept only with several
@@ -161,12 +109,11 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config,
-                 registry: Registry, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, config: EngineConfig, setup: ModelSetup, registry: Registry):
         self.config = config
-        self.max_model_len = max_model_len
-        self.executor = build_executor(config, source, hf_config, registry, max_model_len,
-                                       max_num_batched_tokens)
+        self.setup = setup
+        max_model_len = setup.max_model_len
+        self.executor = build_executor(config, setup, registry)
         self.runner = self.executor.driver_runner  # rank 0's under parallelism
         try:
             num_blocks = self.executor.initialize_kv_cache()
@@ -179,7 +126,7 @@ class EngineCore:
                                        enable_caching=config.enable_prefix_caching)
         policy = registry.scheduling_policy(config.scheduling_policy)(config)
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
-                                   max_num_batched_tokens,
+                                   setup.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    async_decode=self.executor.async_decode,
                                    num_micro_batches=self.executor.num_micro_batches)
@@ -201,8 +148,7 @@ class EngineCore:
         CacheTooSmallError."""
         registry = registry or default_registry()
         setup = setup or resolve_model_setup(config, registry)
-        return cls(config, setup.source, setup.hf_config, registry, setup.max_model_len,
-                   setup.max_num_batched_tokens)
+        return cls(config, setup, registry)
 
     def shutdown(self) -> None:
         """Finish every request (no outputs), stop the executor's workers and drop the KV cache
@@ -223,7 +169,7 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         sp = r.sampling_params
         req = Request(r.request_id, list(r.prompt_token_ids), sp, r.eos_token_ids,
-                      self.max_model_len, r.arrival_time, r.priority, cache_salt=r.cache_salt,
+                      self.setup.max_model_len, r.arrival_time, r.priority, cache_salt=r.cache_salt,
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
         self.scheduler.add_request(req)  # first: it rejects an id in use
         self.executor.add_request_state(r.request_id, SamplingState.from_params(

@@ -18,10 +18,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from .config import EngineConfig
-from .model_loader import ModelSource
-from .model_runner import LaunchedStep, ModelRunner, RunnerOutput, resolve_device
+from .model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from .model_setup import ModelSetup
 from .registry import Registry
-from .sampling_state import SamplingState
 from .scheduler import SchedulerOutput
 
 
@@ -118,25 +117,21 @@ class UniprocExecutor(Executor):
         return DoneStep(self.driver_runner.execute(so))
 
 
-def async_scheduling(config: EngineConfig) -> bool:
+def async_scheduling(config: EngineConfig, setup: ModelSetup) -> bool:
     """``async_scheduling``, its default resolved: on with CUDA, where the GPU runs ahead of the
     host; off on the CPU."""
     if config.async_scheduling is not None:
         return bool(config.async_scheduling)
-    return resolve_device(config.device).type == "cuda"
+    return setup.device_type == "cuda"
 
 
-def build_executor(config: EngineConfig, source: ModelSource, hf_config: Any,
-                   registry: Registry, max_model_len: int,
-                   max_num_batched_tokens: int) -> Executor:
+def build_executor(config: EngineConfig, setup: ModelSetup, registry: Registry) -> Executor:
     """`UniprocExecutor` for one rank; `MultiprocExecutor` when ``tensor_parallel_size`` x
     ``pipeline_parallel_size`` > 1 (it starts the worker processes, or joins ranks started
     with the torchrun environment). Raises ConfigError and what loading raises."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-        runner = ModelRunner(config, source, hf_config, registry, max_model_len,
-                             max_num_batched_tokens)
-        return UniprocExecutor(runner, async_scheduling(config))
+        return UniprocExecutor(ModelRunner(config, setup, registry),
+                               async_scheduling(config, setup))
     from .distributed.executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, source, hf_config, registry, max_model_len,
-                             max_num_batched_tokens)
+    return MultiprocExecutor(config, setup, registry)

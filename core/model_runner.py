@@ -28,6 +28,7 @@ from .layers.context import ModelContext
 from .layers.linear import LinearBase
 from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
                            select_quantization)
+from .model_setup import ModelSetup
 from .registry import Registry
 from .sampler import Sampler
 from .sampling_state import SamplingState, SamplingStates
@@ -37,39 +38,28 @@ from .step_results import (LaunchedStep, RunnerOutput, collect, prompt_logprobs,
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 2**30
 
-__all__ = ["ModelRunner", "RunnerOutput", "SamplingState", "resolve_device", "resolve_dtype"]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but torch sees no CUDA device; use device: cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+__all__ = ["ModelRunner", "RunnerOutput"]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
-                 registry: Registry, max_model_len: int, max_num_batched_tokens: int,
+    def __init__(self, config: EngineConfig, setup: ModelSetup, registry: Registry,
                  parallel: ParallelContext | None = None):
-        """``parallel``: this rank's place in tensor/pipeline parallelism (core/distributed/);
+        """``setup``: the resolved model, device, dtype and limits (core/model_setup.py).
+        ``parallel``: this rank's place in tensor/pipeline parallelism (core/distributed/);
         None for a single rank. Its model holds this rank's part of the weights and KV heads,
         and of the layers of its pipeline stage."""
         self.config = config
+        self.setup = setup
+        hf_config, source = setup.hf_config, setup.source
+        max_model_len = setup.max_model_len
+        max_num_batched_tokens = setup.max_num_batched_tokens
         self.parallel = parallel or ParallelContext.single()
-        self.device = resolve_device(config.device)
+        self.device = torch.device(setup.device_type)
         if self.device.type == "cuda" and self.parallel.world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = setup.dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -44,10 +44,9 @@ import torch
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineDeadError
 from ..executor import DoneStep, Executor, StepHandle, async_scheduling
-from ..model_loader import ModelSource
-from ..model_runner import ModelRunner, RunnerOutput, resolve_device
+from ..model_runner import ModelRunner, RunnerOutput
+from ..model_setup import ModelSetup
 from ..registry import Registry
-from ..sampling_state import SamplingState
 from ..scheduler import SchedulerOutput
 from . import step_codec
 from .comm import all_reduce_min
@@ -67,16 +66,15 @@ class MultiprocExecutor(Executor):
     # main thread cannot be reached (a stuck NCCL collective)
     hard_exit_on_worker_death = False
 
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
-                 registry: Registry, max_model_len: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, setup: ModelSetup, registry: Registry) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        check_model_parallel(hf_config, tp, pp)
+        check_model_parallel(setup.hf_config, tp, pp)
         self.world = tp * pp
         self.config = config
-        device = resolve_device(config.device)
+        device = torch.device(setup.device_type)
         # placeholders for tokens still being sampled need the sampled ids on every rank: one
         # stage only (pipeline stages before the last never see them)
-        self.async_decode = async_scheduling(config) and pp == 1
+        self.async_decode = async_scheduling(config, setup) and pp == 1
         if pp > 1:
             self.num_micro_batches = config.pipeline_micro_batches or pp
         self.max_concurrent_batches = (self.num_micro_batches if pp > 1
@@ -109,8 +107,7 @@ class MultiprocExecutor(Executor):
                 self.group.accept_remote()
             else:
                 self.group.start_watcher(self._result_rank)
-            self.driver_runner = ModelRunner(config, source, hf_config, registry, max_model_len,
-                                             max_num_batched_tokens, self.parallel)
+            self.driver_runner = ModelRunner(config, setup, registry, self.parallel)
             self.group.wait_all("loaded", STARTUP_TIMEOUT_S, self.check_health)
         except BaseException as e:
             err = self._startup_error(e)

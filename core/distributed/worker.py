@@ -37,8 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import EngineConfig
-from ..engine_core import resolve_model_setup
-from ..model_runner import ModelRunner, resolve_device
+from ..model_runner import ModelRunner
+from ..model_setup import resolve_model_setup
 from ..registry import registry
 from . import step_codec
 from .comm import all_reduce_min
@@ -68,7 +68,7 @@ class Worker:
         setup = resolve_model_setup(cfg, reg)
         self.conn.send(("hello", self.rank))
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-        device = resolve_device(cfg.device)
+        device = torch.device(setup.device_type)
         if device.type == "cuda":
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", torch.cuda.current_device())
@@ -77,8 +77,7 @@ class Worker:
                                rendezvous_timeout_s)
         if after_init is not None:
             after_init()
-        self.runner = ModelRunner(cfg, setup.source, setup.hf_config, reg, setup.max_model_len,
-                                  setup.max_num_batched_tokens, par)
+        self.runner = ModelRunner(cfg, setup, reg, par)
         self.conn.send(("loaded", self.rank))
         if self.decoder.decode(self.recv_step()).kind != step_codec.GO:
             raise RuntimeError("the driver sent a step before the start-up go")
