@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionMetadata
-from .input_batch import PAD_SLOT, StepLayout
+from .step_layout import PAD_SLOT, StepLayout
 
 logger = logging.getLogger(__name__)
 

@@ -171,9 +171,9 @@ class EngineCore:
         req = Request(r.request_id, list(r.prompt_token_ids), sp, r.eos_token_ids,
                       self.setup.max_model_len, r.arrival_time, r.priority, cache_salt=r.cache_salt,
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
-        self.scheduler.add_request(req)  # first: it rejects an id in use
-        self.executor.add_request_state(r.request_id, SamplingState.from_params(
-            sp, r.seed, r.prompt_token_ids, r.eos_token_ids))
+        req.sampling_state = SamplingState.from_params(sp, r.seed, req.prompt_token_ids,
+                                                       r.eos_token_ids)
+        self.scheduler.add_request(req)  # raises ValueError for an id in use
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value)

@@ -63,10 +63,6 @@ class Executor(ABC):
         on all ranks: the smallest any rank can hold). Raises CacheTooSmallError."""
 
     @abstractmethod
-    def add_request_state(self, request_id: str, state: SamplingState) -> None:
-        """A new request's sampling state, for every rank that samples."""
-
-    @abstractmethod
     def execute_model(self, so: SchedulerOutput) -> StepHandle:
         """Start step ``so`` (steps run in the order they are started)."""
 
@@ -107,9 +103,6 @@ class UniprocExecutor(Executor):
         num_blocks = self.driver_runner.determine_num_blocks()
         self.driver_runner.allocate_kv_cache(num_blocks)
         return num_blocks
-
-    def add_request_state(self, request_id: str, state: SamplingState) -> None:
-        self.driver_runner.add_request_state(request_id, state)
 
     def execute_model(self, so: SchedulerOutput) -> StepHandle:
         if self.async_decode:

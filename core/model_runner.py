@@ -29,12 +29,12 @@ from .layers.linear import LinearBase
 from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
                            select_quantization)
 from .model_setup import ModelSetup
+from .penalties import PenaltyState
 from .registry import Registry
 from .sampler import Sampler
-from .sampling_state import SamplingState, SamplingStates
+from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
-from .step_results import (LaunchedStep, RunnerOutput, collect, prompt_logprobs,
-                           prompt_logprobs_job, start_copy_back)
+from .step_results import LaunchedStep, RunnerOutput, collect, prompt_logprobs, start_copy_back
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +94,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        self.sampling_states = SamplingStates(self.vocab_size, self.device)
+        self.penalties = PenaltyState(self.vocab_size, self.device)
         max_blocks = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, max_blocks, self.block_size,
                                       max_num_batched_tokens,
-                                      pin_memory=self.device.type == "cuda")
+                                      pin_memory=self.device.type == "cuda",
+                                      vocab_size=self.vocab_size)
         # the device buffer each step's inputs are copied into (CUDA graphs read it too)
         self._step_buf = torch.zeros(self.input_batch.capacity, dtype=torch.int32,
                                      device=self.device)
@@ -107,7 +108,6 @@ class ModelRunner:
         # the last launched step's sampled ids [n] int64 on the device, and request id -> row
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        self._prompt_lp_ids: set[str] = set()  # requests that want prompt log-probs
 
     def _set_up_fused_all_reduce(self, hidden: int) -> None:
         """``custom_all_reduce``: the model's row-parallel layers leave their all-reduce to the
@@ -309,11 +309,6 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
 
-    def add_request_state(self, request_id: str, state: SamplingState) -> None:
-        self.sampling_states.add(request_id, state)
-        if state.prompt_logprobs is not None:
-            self._prompt_lp_ids.add(request_id)
-
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its results (`execute_async` then `collect`)."""
         return self.collect(self.execute_async(so))
@@ -328,20 +323,20 @@ class ModelRunner:
         PLACEHOLDER_TOKEN are taken on the device from this call's previous step's samples. A
         decode-only step replays a CUDA graph when they are captured. ``copy_back=False``: a
         rank whose results nobody reads (tensor/pipeline parallel workers) skips the copy."""
-        self.sampling_states.remove(so.finished_request_ids)
-        # an id reused at once keeps its new state (SamplingStates), and its prompt log-probs
-        self._prompt_lp_ids.difference_update(
-            r for r in so.finished_request_ids if r not in self.sampling_states)
         if so.is_empty:
             self.input_batch.retire(so)  # an empty step can still preempt (prepare does it else)
             return LaunchedStep([])
         inp = self.input_batch.prepare(so, self._graph_bucket, self._last_rows)
-        dev = self.input_batch.copy_to(self._step_buf, inp.layout)
+        dev, dev_s = self.input_batch.copy_to(self._step_buf, inp)
         v = inp.layout.views(dev)
+        s = inp.sampling.views(dev_s) if inp.sampling is not None else None
         if inp.num_fills:  # async scheduling: input tokens sampled by the previous step
             k = inp.num_fills
             v["input_ids"].index_copy_(0, v["fill_dst"][:k].long(), self._last_sampled.index_select(
                 0, v["fill_src"][:k].long()).to(torch.int32))
+        if s is not None and (s["fresh_penalty_slots"].numel() or s["pmask_slots"].numel()):
+            self.penalties.ensure(self.input_batch.num_penalty_slots)
+            self.penalties.reset(s["fresh_penalty_slots"], s["pmask_slots"], s["pmask_ids"])
         graph = inp.layout.num_seqs if inp.padded else None
         if graph is not None:
             hidden = self._replay(graph)
@@ -356,31 +351,27 @@ class ModelRunner:
             hidden = self.model(v["input_ids"], v["positions"], self.kv_caches, meta)
             if hidden is None:  # a pipeline stage before the last sent its output on
                 return LaunchedStep([])
-        states = self.sampling_states.states
-        prompt_jobs = [] if not self._prompt_lp_ids else [
-            job for i, sr in enumerate(so.scheduled) if sr.request_id in self._prompt_lp_ids
-            and (job := prompt_logprobs_job(states.get(sr.request_id), sr,
-                                            inp.query_start_loc[i]))]
-        prompt_lp = (prompt_logprobs(self.model.compute_logits, hidden, prompt_jobs)
-                     if prompt_jobs else None)
+        prompt_jobs = inp.prompt_jobs
+        prompt_lp = (prompt_logprobs(self.model.compute_logits, hidden, prompt_jobs,
+                                     s["plp_rows"], s["plp_targets"]) if prompt_jobs else None)
         sample_ids = inp.sample_ids
         tokens_t, sample_lp = None, None
         if sample_ids:
             n = len(sample_ids)
             h = hidden[:n] if graph is not None else hidden[v["logits_rows"][:n]]
             logits = self.model.compute_logits(h)
-            batch = self.sampling_states.batch(sample_ids,
-                                               [p + 1 for p in inp.sample_positions])
-            out = self.sampler(logits, batch)
-            self.sampling_states.update(out.token_ids)
-            tokens_t, sample_lp = out.token_ids, out.logprobs
+            flags = inp.flags
+            if s is None:  # greedy, no log-probs, no logits processors
+                tokens_t = self.sampler(logits, sampling_batch(None, flags, None)).token_ids
+            else:
+                out = self.sampler(logits, sampling_batch(s, flags, self.penalties))
+                if flags.has_penalties:
+                    self.penalties.update(s["penalty_slots"], out.token_ids)
+                tokens_t, sample_lp = out.token_ids, out.logprobs
             self._last_sampled = tokens_t
             self._last_rows = {rid: i for i, rid in enumerate(sample_ids)}
         h = LaunchedStep(sample_ids, tokens_t, sample_lp, prompt_jobs, prompt_lp)
-        if sample_lp is not None:  # widths now: a request may be gone when it is collected
-            states = self.sampling_states
-            h.logprob_widths = [(r, 1 + states[r].logprobs) for r in sample_ids
-                                if states[r].logprobs is not None]
+        h.logprob_widths = inp.logprob_widths
         return start_copy_back(h) if copy_back else h
 
     def collect(self, h: LaunchedStep) -> RunnerOutput:

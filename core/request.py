@@ -8,9 +8,12 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import SamplingParamsError
+
+if TYPE_CHECKING:  # (sampling_state.py imports this module)
+    from .sampling_state import SamplingState
 
 # Below this temperature sampling is greedy (avoids overflow of logits / T in fp32).
 GREEDY_EPS = 1e-5
@@ -193,6 +196,9 @@ class Request:
     skip_prefix_cache: bool = False  # e.g. prompt logprobs need every prompt position computed
     first_scheduled_time: float | None = None  # time.monotonic(), for queue-time metrics
     first_token_time: float | None = None  # time.monotonic() of the first sampled token
+    # the runner's sampling state, built once at admission (EngineCore.add_request); it travels
+    # to the runner in the scheduler output's new-request record
+    sampling_state: SamplingState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 from .kv_cache import KVCacheManager, extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
+from .sampling_state import SamplingState
 
 
 @dataclass
@@ -68,22 +69,46 @@ PLACEHOLDER_TOKEN = -1  # a sampled token still on the device (async scheduling)
 
 
 @dataclass
+class NewRequestData:
+    """What the runner needs to take in a request scheduled for the first time or resumed after
+    preemption (vLLM v1's ``NewRequestData``); its block table is the row's ``new_block_ids``.
+
+    prompt_token_ids: the request's prompt (the Request's own list). sampling: its
+    `SamplingState`, built once when the engine core admitted it (None only in scheduler tests
+    that build requests without one).
+    """
+
+    prompt_token_ids: list[int]
+    sampling: SamplingState | None
+
+
+@dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step: the only record of it that reaches the runner.
+
+    ``new`` is set for a request scheduled for the first time or resumed after preemption, and
+    ``new_block_ids`` is then its whole block table; for a request that was running it holds
+    only the blocks gained in this step (what `KVCacheManager.allocate_slots` returned), which
+    the runner appends to the table it keeps (vLLM v1's ``CachedRequestData``).
+    """
 
     request_id: str
     token_ids: list[int]  # tokens to compute this step (PLACEHOLDER_TOKEN: still in flight)
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before this step)
-    block_ids: list[int]  # the whole block table after allocation
+    new_block_ids: list[int]
     sample: bool  # this step computes the request's last known token: sample the next one
+    new: NewRequestData | None = None
 
 
 @dataclass
 class SchedulerOutput:
+    """One step, for the runner: the scheduled rows in batch order, and the ids of requests
+    finished (or aborted) and preempted since the previous step. The runner applies the
+    finished ids first, then the preempted ones, then the rows: an id that finished and came
+    back (a reused request id) arrives as finished and, in the same or a later step, as new."""
+
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
-    # requests finished since the previous step, each incarnation once: an id reused after its
-    # request finished, whose new request finished too before this step, appears twice
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
 
@@ -137,8 +162,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        # an id finished since the last step may be live again: it still goes to the runner as
-        # finished (its slot and block table must go; the sampling state keeps the new one)
+        # an id finished since the last step may be live again: the runner gets the old one's
+        # finish before the new one's first row
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self._update_hashes(request)
@@ -252,7 +277,7 @@ class Scheduler:
             n = min(want, budget)
             if n == 0 or len(scheduled) >= cap:
                 break
-            while self._allocate(req, req.num_computed_tokens + n) is None:
+            while (new_blocks := self._allocate(req, req.num_computed_tokens + n)) is None:
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = self.policy.select_victim(candidates)
                 self._preempt(victim)
@@ -261,7 +286,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n, new_blocks))
             scheduled_ids.add(req.request_id)
             budget -= n
         return budget
@@ -298,14 +323,17 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(
+                req, n, list(kv.block_ids(req.request_id)),
+                NewRequestData(req.prompt_token_ids, req.sampling_state)))
             budget -= n
 
     def _reject(self, req: Request) -> None:
         self._finish(req, FinishReason.ERROR)
         self.rejected.append(req)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, new_block_ids: list[int],
+                   new: NewRequestData | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         prompt, output = req.prompt_token_ids, req.output_token_ids
         p = len(prompt)
@@ -321,8 +349,9 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=tokens,
             start_pos=start,
-            block_ids=self.kv_cache.block_ids(req.request_id),
+            new_block_ids=new_block_ids,
             sample=start + n >= req.num_tokens,
+            new=new,
         )
 
     # ---- results ------------------------------------------------------------------------------

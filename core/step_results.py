@@ -14,10 +14,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .input_batch import PromptLogprobsJob
 from .request import LogprobsLists
 from .sampler import LogprobsTensors, compute_logprobs, gather_logprobs
-from .sampling_state import SamplingState, to_device
-from .scheduler import ScheduledRequest
 
 PROMPT_LOGPROBS_CHUNK = 512  # prompt rows per logits computation (bounds [rows, vocab] memory)
 
@@ -41,24 +40,11 @@ class LaunchedStep:
     sample_ids: list[str]
     tokens: torch.Tensor | None = None  # [n] int64 on the device
     sample_lp: LogprobsTensors | None = None
-    prompt_jobs: list["PromptLogprobsJob"] = field(default_factory=list)
+    prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     prompt_lp: LogprobsTensors | None = None
     host: torch.Tensor | None = None
     done: Any = None  # torch.cuda.Event, None on the CPU
     logprob_widths: list[tuple[str, int]] = field(default_factory=list)  # (id, 1 + N)
-
-
-@dataclass
-class PromptLogprobsJob:
-    """Prompt log-prob rows of one request in this step: flattened rows ``row0 ..
-    row0 + len(targets) - 1`` predict prompt tokens ``targets``, the first at prompt index
-    ``start``."""
-
-    request_id: str
-    row0: int
-    start: int
-    targets: list[int]
-    num: int
 
 
 def start_copy_back(h: LaunchedStep) -> LaunchedStep:
@@ -91,29 +77,13 @@ def collect(h: LaunchedStep) -> RunnerOutput:
     return _unpack(h)
 
 
-def prompt_logprobs_job(st: SamplingState | None, sr: ScheduledRequest,
-                        row0: int) -> PromptLogprobsJob | None:
-    """The prompt log-prob rows of ``sr`` whose row starts at flattened row ``row0``: rows
-    at positions p (< num_prompt_tokens - 1) predict prompt token p + 1; each prompt index
-    is handed out once (a recompute after preemption skips those already sent)."""
-    if st is None or st.prompt_logprobs is None:
-        return None
-    first = max(sr.start_pos, st.next_prompt_logprob - 1)
-    end = min(sr.start_pos + len(sr.token_ids), st.num_prompt_tokens - 1)
-    if first >= end:
-        return None
-    st.next_prompt_logprob = end + 1
-    return PromptLogprobsJob(sr.request_id, row0 + first - sr.start_pos, first + 1,
-                             st.prompt_token_ids[first + 1:end + 1], st.prompt_logprobs)
-
-
 def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                    hidden: torch.Tensor, jobs: list[PromptLogprobsJob]) -> LogprobsTensors:
+                    hidden: torch.Tensor, jobs: list[PromptLogprobsJob], rows: torch.Tensor,
+                    targets: torch.Tensor) -> LogprobsTensors:
     """Log-probs of every job's prompt rows, PROMPT_LOGPROBS_CHUNK rows of logits at a
-    time, with the largest N of the jobs."""
-    dev = hidden.device
-    rows = to_device([j.row0 + i for j in jobs for i in range(len(j.targets))], torch.long, dev)
-    targets = to_device([t for j in jobs for t in j.targets], torch.long, dev)
+    time, with the largest N of the jobs. rows: [m] int64, the jobs' rows of ``hidden``
+    [T, H]; targets: [m] int64, the prompt token each row predicts (the step's sampling
+    inputs, already on the device)."""
     num = max(j.num for j in jobs)
     parts = []
     for a in range(0, rows.shape[0], PROMPT_LOGPROBS_CHUNK):

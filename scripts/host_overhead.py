@@ -44,8 +44,10 @@ def main() -> None:
     core = eng.core
     runner = core.executor.driver_runner
 
-    def fake_step(so):  # what the runner does besides the model: drop finished states
-        runner.sampling_states.remove(so.finished_request_ids)
+    def fake_step(so):  # what the runner does besides the model: its input batch's bookkeeping
+        runner.input_batch.retire(so)
+        for sr in so.scheduled:
+            runner.input_batch._row_of(sr)
         return DoneStep(RunnerOutput({sr.request_id: 7 for sr in so.scheduled if sr.sample}))
 
     core.executor.execute_model = fake_step

@@ -66,6 +66,32 @@ def slot_of(block_ids: list[int], pos: int, block_size: int) -> int:
     return block_ids[pos // block_size] * block_size + pos % block_size
 
 
+class BlockTables:
+    """The block tables a runner keeps from the scheduler output alone (the only channel):
+    a new or resumed row's ``new_block_ids`` are its whole table, a running row's are appended,
+    finished and preempted ids drop theirs. ``apply(so)`` returns request id -> whole table of
+    ``so``'s rows; applying the same output again returns the same tables."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+        self._last: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+
+    def apply(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        if self._last is not None and self._last[0] is so:
+            return self._last[1]
+        for rid in list(so.finished_request_ids) + list(so.preempted_request_ids):
+            self.tables.pop(rid, None)
+        for sr in so.scheduled:
+            if sr.new is not None:
+                self.tables[sr.request_id] = list(sr.new_block_ids)
+            else:
+                assert sr.request_id in self.tables, f"{sr.request_id} runs but was never new"
+                self.tables[sr.request_id].extend(sr.new_block_ids)
+        snap = {sr.request_id: list(self.tables[sr.request_id]) for sr in so.scheduled}
+        self._last = (so, snap)
+        return snap
+
+
 class FakeRunner:
     """Model runner + sampler stand-in over a fake paged KV cache (see the module docstring).
 
@@ -81,22 +107,25 @@ class FakeRunner:
         self.next_token = next_token
         self.slots: dict[int, tuple[str, int, int]] = {}
         self.steps: list[SchedulerOutput] = []
+        self.tables = BlockTables()
 
     def execute(self, so: SchedulerOutput) -> dict[str, int]:
         self.steps.append(so)
         bs = self.block_size
+        tables = self.tables.apply(so)
         for sr in so.scheduled:  # write KV of the whole batch first, then attend (as a model does)
-            assert len(sr.block_ids) * bs >= sr.start_pos + len(sr.token_ids), sr
+            table = tables[sr.request_id]
+            assert len(table) * bs >= sr.start_pos + len(sr.token_ids), sr
             for i, tok in enumerate(sr.token_ids):
                 pos = sr.start_pos + i
-                self.slots[slot_of(sr.block_ids, pos, bs)] = (sr.request_id, pos, tok)
+                self.slots[slot_of(table, pos, bs)] = (sr.request_id, pos, tok)
         out = {}
         for sr in so.scheduled:
             if not sr.sample:
                 continue
             seq = []
             for pos in range(sr.start_pos + len(sr.token_ids)):
-                owner, p, tok = self.slots[slot_of(sr.block_ids, pos, bs)]
+                owner, p, tok = self.slots[slot_of(tables[sr.request_id], pos, bs)]
                 if self.shared_reads:
                     owner = sr.request_id
                 assert (owner, p) == (sr.request_id, pos), (

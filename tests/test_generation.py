@@ -452,7 +452,7 @@ def test_a_reused_id_whose_new_request_ends_at_once_leaves_no_state(tiny_llm):
     engine.abort_request(["twice"])
     _run_to_end(engine, [9], SamplingParams(max_tokens=1), "other")
     _run_to_end(engine, [9], SamplingParams(max_tokens=1), "last")  # carries the finished ids
-    states = engine.core.runner.sampling_states
+    states = engine.core.runner.input_batch.requests
     assert "twice" not in states and "other" not in states
 
 

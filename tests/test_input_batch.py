@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from pagebatch.cuda_graphs import bucket_for, capture_sizes
-from pagebatch.input_batch import PAD_SLOT, InputBatch, StepLayout
-from pagebatch.scheduler import ScheduledRequest, SchedulerOutput
+from pagebatch.input_batch import InputBatch
+from pagebatch.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagebatch.step_layout import PAD_SLOT, StepLayout
 
 BS = 4  # block size
 
@@ -21,15 +22,21 @@ def _so(*reqs, finished=(), preempted=()) -> SchedulerOutput:
                            list(preempted))
 
 
+def _new(rid, tokens, start, blocks, sample) -> ScheduledRequest:
+    """A request's first (or resumed) row: its whole block table and its new-request record."""
+    return ScheduledRequest(rid, tokens, start, blocks, sample,
+                            NewRequestData(list(range(start + len(tokens))), None))
+
+
 def _expected_slots(blocks: list[int], start: int, n: int) -> list[int]:
     return [blocks[p // BS] * BS + p % BS for p in range(start, start + n)]
 
 
 def test_mixed_step_layout_and_slot_mapping():
     ib = _batch()
-    a = ScheduledRequest("a", [11, 12, 13, 14, 15], 0, [7, 3], sample=True)
-    b = ScheduledRequest("b", [21], 9, [0, 5, 6], sample=True)
-    c = ScheduledRequest("c", [31, 32, 33], 2, [2, 4], sample=False)  # a prefill chunk
+    a = _new("a", [11, 12, 13, 14, 15], 0, [7, 3], sample=True)
+    b = _new("b", [21], 9, [0, 5, 6], sample=True)
+    c = _new("c", [31, 32, 33], 2, [2, 4], sample=False)  # a prefill chunk
     inp = ib.prepare(_so(a, b, c))
     h = inp.host
     assert inp.layout == StepLayout(9, 3, 3) and not inp.padded
@@ -48,25 +55,24 @@ def test_mixed_step_layout_and_slot_mapping():
 
 def test_block_tables_update_incrementally_and_slots_are_reused():
     ib = _batch(max_num_seqs=2)
-    ib.prepare(_so(ScheduledRequest("a", [1, 2, 3, 4], 0, [5], True)))
+    ib.prepare(_so(_new("a", [1, 2, 3, 4], 0, [5], True)))
     slot_a = ib.slot_of["a"]
-    ib.prepare(_so(ScheduledRequest("a", [9], 4, [5, 8], True)))
+    ib.prepare(_so(ScheduledRequest("a", [9], 4, [8], True)))  # running: the block it gained
     assert ib.block_table[slot_a, :2].tolist() == [5, 8] and ib.num_blocks[slot_a] == 2
     # a finished request frees its slot; a preempted one too, and comes back with new blocks
-    ib.prepare(_so(ScheduledRequest("b", [1], 0, [1], True), finished={"a"}))
+    ib.prepare(_so(_new("b", [1], 0, [1], True), finished={"a"}))
     assert "a" not in ib.slot_of
-    ib.prepare(_so(ScheduledRequest("c", [1], 0, [2], True)))
+    ib.prepare(_so(_new("c", [1], 0, [2], True)))
     assert len(ib.slot_of) == 2
-    inp = ib.prepare(_so(ScheduledRequest("b", [1, 2, 3, 4, 5], 0, [6, 7], True),
-                         preempted=["b"]))
+    inp = ib.prepare(_so(_new("b", [1, 2, 3, 4, 5], 0, [6, 7], True), preempted=["b"]))
     assert inp.host["block_tables"][0].tolist() == [6, 7]
     with pytest.raises(RuntimeError, match="max_num_seqs=2"):
-        ib.prepare(_so(ScheduledRequest("d", [1], 0, [3], True)))
+        ib.prepare(_so(_new("d", [1], 0, [3], True)))
 
 
 def test_graph_layout_pads_to_the_bucket():
     ib = _batch(max_num_seqs=8, max_blocks=3)
-    reqs = [ScheduledRequest(f"r{i}", [100 + i], 5 + i, [i, 10 + i], True) for i in range(3)]
+    reqs = [_new(f"r{i}", [100 + i], 5 + i, [i, 10 + i], True) for i in range(3)]
     inp = ib.prepare(_so(*reqs), graph_bucket=lambda n: bucket_for(n, [1, 2, 4, 8]))
     assert inp.padded and inp.layout == StepLayout.for_graph(4, 3) and inp.num_reqs == 3
     h = inp.host
@@ -76,10 +82,9 @@ def test_graph_layout_pads_to_the_bucket():
     assert h["seq_lens"].tolist() == [6, 7, 8, 1]
     assert h["block_tables"].tolist() == [[0, 10, 0], [1, 11, 0], [2, 12, 0], [0, 0, 0]]
     # a step with a prefill chunk, or a decode that does not sample, stays eager
-    mixed = [ScheduledRequest("r0", [1], 7, [0, 10], True),
-             ScheduledRequest("p", [1, 2], 0, [4], True)]
+    mixed = [ScheduledRequest("r0", [1], 7, [], True), _new("p", [1, 2], 0, [4], True)]
     assert not ib.prepare(_so(*mixed), graph_bucket=lambda n: 4).padded
-    quiet = [ScheduledRequest("r1", [1], 8, [1, 11], False)]
+    quiet = [ScheduledRequest("r1", [1], 8, [], False)]
     assert not ib.prepare(_so(*quiet), graph_bucket=lambda n: 4).padded
 
 
@@ -107,10 +112,10 @@ def test_an_empty_step_that_preempts_frees_the_slot():
     tokens are in flight, the one admitted last is its own victim): its slot must go, or its
     next block table would keep the old block ids."""
     ib = _batch()
-    ib.prepare(_so(ScheduledRequest("b", [1, 2, 3, 4, 5], 0, [2, 1], True)))
+    ib.prepare(_so(_new("b", [1, 2, 3, 4, 5], 0, [2, 1], True)))
     ib.retire(_so(preempted=["b"]))
     assert "b" not in ib.slot_of
-    inp = ib.prepare(_so(ScheduledRequest("b", [1, 2, 3, 4, 5, 6], 0, [0, 3], True)))
+    inp = ib.prepare(_so(_new("b", [1, 2, 3, 4, 5, 6], 0, [0, 3], True)))
     assert inp.host["block_tables"][0].tolist() == [0, 3]
 
 
@@ -119,7 +124,7 @@ def test_the_runner_retires_slots_on_an_empty_step(tiny_model_dir):
 
     llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4)
     runner = llm.engine.core.runner
-    runner.input_batch.prepare(_so(ScheduledRequest("x", [1, 2, 3], 0, [5], False)))
+    runner.input_batch.prepare(_so(_new("x", [1, 2, 3], 0, [5], False)))
     assert "x" in runner.input_batch.slot_of
     runner.execute(_so(preempted=["x"]))
     assert "x" not in runner.input_batch.slot_of

@@ -235,30 +235,30 @@ def test_bad_layouts_are_config_errors(tiny_model_dir):
 
 
 def test_step_codec_round_trip():
-    """Steps decode to the scheduler's output; block tables travel as what each request gained
-    since its previous step (the whole table again after preemption or for a new table)."""
+    """Steps decode to the scheduler's output: new (or resumed) rows with their record and
+    whole block table, running rows with the blocks they gained only, finished and preempted
+    ids (an id may be finished twice: a reused id)."""
     from pagebatch.sampling_state import SamplingState
+    from pagebatch.scheduler import NewRequestData
 
     assert step_codec.fields_match(), "a SchedulerOutput field is not in the step codec"
-    enc, dec = step_codec.StepEncoder(), step_codec.StepDecoder()
-    table_a, table_b = [3, 9], [1, 2, 4]
-    so = SchedulerOutput([ScheduledRequest("a", [5, 6, 7], 0, table_a, False),
-                          ScheduledRequest("bé", [8], 20, table_b, True)],
+    new_a = NewRequestData([5, 6, 7], SamplingState(0.0, 0, 1.0, 1))
+    new_b = NewRequestData(list(range(20)), SamplingState(0.7, 5, 0.9, 2, logit_bias={3: 1.5}))
+    so = SchedulerOutput([ScheduledRequest("a", [5, 6, 7], 0, [3, 9], False, new_a),
+                          ScheduledRequest("bé", [8], 20, [1, 2, 4], True, new_b)],
                          4, ["old", "x"], [])
-    states = [("a", SamplingState(0.0, 0, 1.0, 1))]
-    first = enc.encode(so, states)
-    msg = dec.decode(first)
-    assert msg.kind == step_codec.STEP and msg.so == so and msg.new_states == states
-    table_a.append(10)  # a grows; b is preempted and comes back with a new table
-    so2 = SchedulerOutput([ScheduledRequest("a", [11], 3, table_a, True)], 1, [], ["bé"])
-    second = enc.encode(so2, [])
-    assert len(second) < len(first) and dec.decode(second).so == so2
-    so3 = SchedulerOutput([ScheduledRequest("bé", [8, 9], 0, [7, 1], True),
-                           ScheduledRequest("a", [12], 4, table_a, True)], 3, ["zz", "zz"], [])
-    assert dec.decode(enc.encode(so3, [])).so == so3
+    first = step_codec.encode_step(so)
+    msg = step_codec.decode(first)
+    assert msg.kind == step_codec.STEP and msg.so == so
+    so2 = SchedulerOutput([ScheduledRequest("a", [11], 3, [10], True)], 1, [], ["bé"])
+    second = step_codec.encode_step(so2)
+    assert len(second) < len(first) and step_codec.decode(second).so == so2
+    so3 = SchedulerOutput([ScheduledRequest("bé", [8, 9], 0, [7, 1], True, new_b),
+                           ScheduledRequest("a", [12], 4, [], True)], 3, ["zz", "zz"], [])
+    assert step_codec.decode(step_codec.encode_step(so3)).so == so3
     empty = SchedulerOutput([], 0)
-    assert dec.decode(enc.encode(empty, [])).so == empty
-    assert dec.decode(step_codec.encode_control(step_codec.SHUTDOWN)).kind == \
+    assert step_codec.decode(step_codec.encode_step(empty)).so == empty
+    assert step_codec.decode(step_codec.encode_control(step_codec.SHUTDOWN)).kind == \
         step_codec.SHUTDOWN
 
 

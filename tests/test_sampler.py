@@ -11,23 +11,26 @@ import torch
 from pagebatch.request import GREEDY_EPS, SamplingParams
 from pagebatch.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
                                counter_uniform)
-from pagebatch.sampling_state import SamplingState, SamplingStates
+from pagebatch.sampling_state import SamplingState
+
+from helpers_sampling import SamplingHarness
 
 CPU = torch.device("cpu")
 
 
 def _states(vocab: int, params: list[SamplingParams], prompts: list[list[int]] | None = None,
-            seeds: list[int] | None = None, eos=(2,)) -> SamplingStates:
-    """SamplingStates for requests "r0", "r1", ... as the engine core builds them."""
-    ss = SamplingStates(vocab, CPU)
+            seeds: list[int] | None = None, eos=(2,)) -> SamplingHarness:
+    """Requests "r0", "r1", ... with sampling states as the engine core builds them, in the
+    runner's input batch."""
+    ss = SamplingHarness(vocab, CPU)
     for i, sp in enumerate(params):
         prompt = prompts[i] if prompts else [3, 4, 5]
         seed = seeds[i] if seeds else 1000 + i
-        ss.add(f"r{i}", SamplingState.from_params(sp, seed, prompt, eos))
+        ss.add(f"r{i}", SamplingState.from_params(sp, seed, prompt, eos), prompt)
     return ss
 
 
-def _sample(ss: SamplingStates, logits: torch.Tensor, positions: list[int],
+def _sample(ss: SamplingHarness, logits: torch.Tensor, positions: list[int],
             ids: list[str] | None = None):
     ids = ids or [f"r{i}" for i in range(logits.shape[0])]
     batch = ss.batch(ids, positions)
@@ -145,7 +148,8 @@ def test_penalty_slots_grow_and_are_reused():
     assert len(set(slots)) == n and 0 not in slots
     assert ss.penalties.counts.sum() == n  # one sampled token each
     ss.remove(["r0"])
-    ss.add("new", SamplingState.from_params(SamplingParams(presence_penalty=1.0), 1, [1], [2]))
+    ss.add("new", SamplingState.from_params(SamplingParams(presence_penalty=1.0), 1, [1], [2]),
+           [1])
     ss.batch(["new"], [1])
     assert ss["new"].penalty_slot == slots[0]
     assert ss.penalties.counts[slots[0]].sum() == 0  # zeroed for its new owner
@@ -187,7 +191,7 @@ def test_min_tokens_masks_every_eos_id_and_stop_token_id():
             for _ in range(50):  # different draws: positions differ per draw
                 out, _ = _sample(ss, logits, [len(prompt) + n_out])
                 assert int(out.token_ids[0]) not in banned
-                ss.states["r0"].seed += 1
+                ss.bump_seed("r0")
         out, batch = _sample(ss, logits, [len(prompt) + 3])
         assert batch.masked_rows is None
         if temp == 0.0:

@@ -18,9 +18,12 @@ from pagebatch.scheduler import ScheduledRequest, Scheduler
 from pagebatch.schedulers.fcfs import FCFSPolicy
 
 
-def batch(so):
-    """A step's batch as comparable data."""
-    return [(s.request_id, s.token_ids, s.start_pos, s.block_ids, s.sample) for s in so.scheduled]
+def batch(so, runner):
+    """A step's batch as comparable data, with each row's whole block table as the runner
+    keeps it from the scheduler output."""
+    t = runner.tables.apply(so)
+    return [(s.request_id, s.token_ids, s.start_pos, t[s.request_id], s.sample)
+            for s in so.scheduled]
 
 
 def shape(so):
@@ -38,7 +41,7 @@ def test_single_request_exact_steps_and_blocks():
     sched.add_request(a)
 
     so = sched.schedule()
-    assert batch(so) == [("a", prompt, 0, [0, 1], True)]
+    assert batch(so, runner) == [("a", prompt, 0, [0, 1], True)]
     assert so.num_scheduled_tokens == 6 and so.preempted_request_ids == []
     assert a.num_computed_tokens == 6  # advanced when scheduled
     sampled = runner.execute(so)
@@ -48,12 +51,12 @@ def test_single_request_exact_steps_and_blocks():
     assert a.status == RequestStatus.RUNNING
 
     so, s2 = step(sched, runner)
-    assert batch(so) == [("a", [t1], 6, [0, 1], True)]  # decode: one token
+    assert batch(so, runner) == [("a", [t1], 6, [0, 1], True)]  # decode: one token
     so, s3 = step(sched, runner)
     t2, t3 = s2["a"], s3["a"]
-    assert batch(so) == [("a", [t2], 7, [0, 1], True)]
+    assert batch(so, runner) == [("a", [t2], 7, [0, 1], True)]
     so, s4 = step(sched, runner)
-    assert batch(so) == [("a", [t3], 8, [0, 1, 2], True)]  # position 8 opens block 2
+    assert batch(so, runner) == [("a", [t3], 8, [0, 1, 2], True)]  # position 8 opens block 2
     assert a.is_finished and a.finish_reason == FinishReason.LENGTH
     assert a.output_token_ids == [t1, t2, t3, s4["a"]]
     assert a.output_token_ids == reference_outputs(a)[0]
@@ -71,9 +74,9 @@ def test_prompt_filling_whole_blocks():
     runner = FakeRunner(4)
     sched.add_request(make_request("a", 8, max_tokens=2))
     so, sampled = step(sched, runner)
-    assert batch(so)[0][2:] == (0, [0, 1], True)
+    assert batch(so, runner)[0][2:] == (0, [0, 1], True)
     so, _ = step(sched, runner)
-    assert batch(so) == [("a", [sampled["a"]], 8, [0, 1, 2], True)]
+    assert batch(so, runner) == [("a", [sampled["a"]], 8, [0, 1, 2], True)]
 
 
 def test_add_request_twice_raises():
@@ -240,7 +243,7 @@ def test_preemption_victim_is_last_admitted_and_recomputes():
     sched.add_request(a)
     sched.add_request(b)
     so, s1 = step(sched, runner)
-    assert batch(so) == [("a", a.prompt_token_ids, 0, [0], True),
+    assert batch(so, runner) == [("a", a.prompt_token_ids, 0, [0], True),
                          ("b", b.prompt_token_ids, 0, [1], True)]
     sched.add_request(c)
     b_out = list(b.output_token_ids)
@@ -248,7 +251,7 @@ def test_preemption_victim_is_last_admitted_and_recomputes():
 
     so = sched.schedule()
     assert so.preempted_request_ids == ["b"]
-    assert batch(so) == [("a", [s1["a"]], 4, [0, 1], True)]  # c is not admitted in this step
+    assert batch(so, runner) == [("a", [s1["a"]], 4, [0, 1], True)]  # c is not admitted in this step
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.stats.num_preemptions == 1
     assert sched.kv_cache.block_ids("b") == [] and sched.kv_cache.num_free_blocks == 0
@@ -264,7 +267,7 @@ def test_preemption_victim_is_last_admitted_and_recomputes():
     so, _ = step(sched, runner)
     # b recomputes prompt + its output so far, samples its second token; then c fits too
     # a's blocks went back tail first ([1, 0]), so b gets 1 and c gets 0
-    assert batch(so) == [("b", b.prompt_token_ids + b_out, 0, [1], True),
+    assert batch(so, runner) == [("b", b.prompt_token_ids + b_out, 0, [1], True),
                          ("c", c.prompt_token_ids, 0, [0], True)]
     run_until_done(sched, runner)
     assert a.output_token_ids == reference_outputs(a)[0]
@@ -284,7 +287,7 @@ def test_preemption_picks_last_admitted_not_the_one_growing():
     so, _ = step(sched, runner)
     # a needs a block for position 2: c goes, a takes its block; b then needs one: b itself goes
     assert so.preempted_request_ids == ["c", "b"]
-    assert batch(so)[0][0] == "a" and batch(so)[0][3] == [0, 2]
+    assert batch(so, runner)[0][0] == "a" and batch(so, runner)[0][3] == [0, 2]
     assert len(so.scheduled) == 1
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     run_until_done(sched, runner)
@@ -310,7 +313,8 @@ def test_victim_is_never_a_request_already_scheduled_in_the_step():
     # a fits in its block and is scheduled first; b needs a block: the policy is offered [b, c]
     # only, picks b (the oldest of those), and c takes b's block
     assert so.preempted_request_ids == ["b"]
-    assert [(s.request_id, s.start_pos, s.block_ids) for s in so.scheduled] == [
+    t = runner.tables.apply(so)
+    assert [(s.request_id, s.start_pos, t[s.request_id]) for s in so.scheduled] == [
         ("a", 1, [0]), ("c", 2, [2, 1])]
     run_until_done(sched, runner)
     for r in reqs:
@@ -382,8 +386,8 @@ def test_abort_between_schedule_and_update_drops_the_token():
 
 def test_scheduled_request_fields():
     sr = ScheduledRequest("x", [1, 2], 3, [0], False)
-    assert (sr.request_id, sr.token_ids, sr.start_pos, sr.block_ids, sr.sample) == (
-        "x", [1, 2], 3, [0], False)
+    assert (sr.request_id, sr.token_ids, sr.start_pos, sr.new_block_ids, sr.sample) == (
+        "x", [1, 2], 3, [0], False) and sr.new is None
 
 
 # ---- property: random add / step / abort --------------------------------------------------------
@@ -409,14 +413,17 @@ def test_property_random_add_step_abort(num_blocks, block_size, max_num_seqs, op
         check_scheduler_invariants(sched)
         assert so.num_scheduled_tokens <= capacity
         assert len(so.scheduled) <= max_num_seqs
+        tables = runner.tables.apply(so)
         for s in so.scheduled:
             # every scheduled request, newly admitted or not, got the blocks for its tokens
-            assert len(s.block_ids) * block_size >= s.start_pos + len(s.token_ids)
-            assert len(set(s.block_ids)) == len(s.block_ids)
+            assert len(tables[s.request_id]) * block_size >= s.start_pos + len(s.token_ids)
+            assert len(set(tables[s.request_id])) == len(tables[s.request_id])
+            # (re-)admitted rows bring their whole table, running ones only what they gained
+            assert (s.new is not None) == (s.request_id in before)
             if s.request_id in before:
                 assert s.start_pos == 0  # admission (or re-admission) computes from the start
         assert not {s.request_id for s in so.scheduled} & set(so.preempted_request_ids)
-        held = [b for s in so.scheduled for b in s.block_ids]
+        held = [b for s in so.scheduled for b in tables[s.request_id]]
         assert len(held) == len(set(held)), "two requests of one step share a block"
         return so
 

@@ -83,8 +83,6 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._pending_states: list[tuple[str, SamplingState]] = []
-        self._encoder = step_codec.StepEncoder()
         self._result_rank = (pp - 1) * tp if pp > 1 else None
         self._results: dict[int, RunnerOutput] = {}
         self._sent = self._received = 0  # steps expecting a result / results received
@@ -157,14 +155,9 @@ class MultiprocExecutor(Executor):
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def add_request_state(self, request_id: str, state: SamplingState) -> None:
-        self.driver_runner.add_request_state(request_id, state)
-        self._pending_states.append((request_id, state))  # sent once, with the next step
-
     def execute_model(self, so: SchedulerOutput) -> StepHandle:
         self.check_health()
-        payload = self._encoder.encode(so, self._pending_states)
-        self._pending_states = []
+        payload = step_codec.encode_step(so)
         runner = self.driver_runner
         try:
             self.group.broadcast(payload, self.check_health)

@@ -17,7 +17,7 @@ Start-up, on every rank in the same order (the driver's side is core/distributed
 load plugins, say ``hello``; join the process groups; build the runner (load weights), say
 ``loaded``; wait for the driver's ``go`` (so a slow loader does not time out a collective); size
 the KV cache and agree on the smallest block count (an all-reduce), allocate it, say ``ready``.
-Then: read a step, add its new sampling states, run it, and on the last pipeline stage's TP
+Then: read a step (new requests bring their sampling state in it), run it, and on the last pipeline stage's TP
 rank 0 (when there are stages) send its `RunnerOutput` back. An exception is logged, reported
 to the driver and ends the process with status 1: a rank that skips a step would leave the
 others waiting in a collective.
@@ -58,7 +58,6 @@ class Worker:
     def __init__(self, rank: int, config: EngineConfig, conn: Connection,
                  recv_step: Callable[[], bytes]) -> None:
         self.rank, self.config, self.conn, self.recv_step = rank, config, conn, recv_step
-        self.decoder = step_codec.StepDecoder()
 
     def start(self, init_method: str, rendezvous_timeout_s: float, local_rank: int,
               after_init: Callable[[], None] | None = None) -> None:
@@ -79,7 +78,7 @@ class Worker:
             after_init()
         self.runner = ModelRunner(cfg, setup, reg, par)
         self.conn.send(("loaded", self.rank))
-        if self.decoder.decode(self.recv_step()).kind != step_codec.GO:
+        if step_codec.decode(self.recv_step()).kind != step_codec.GO:
             raise RuntimeError("the driver sent a step before the start-up go")
         num_blocks = all_reduce_min(self.runner.determine_num_blocks(), device, par.world_group)
         self.runner.allocate_kv_cache(num_blocks)
@@ -94,13 +93,11 @@ class Worker:
         runner = self.runner
         trace = StepTrace(self.rank)  # PAGEBATCH_TRACE_STEPS, _DIR: see step_trace.py
         while True:
-            msg = self.decoder.decode(self.recv_step())
+            msg = step_codec.decode(self.recv_step())
             if msg.kind == step_codec.SHUTDOWN:
                 trace.finish()
                 return
             trace.before_step()
-            for rid, state in msg.new_states:
-                runner.add_request_state(rid, state)
             if not self.sends_results:
                 self.launched = runner.execute_async(msg.so, copy_back=False)
                 continue
