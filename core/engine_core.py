@@ -18,7 +18,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from .config import EngineConfig
 from .errors import EngineDeadError

@@ -15,7 +15,6 @@ before ``execute_model`` returns) and `MultiprocExecutor` (tensor/pipeline paral
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 from .config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, RunnerOutput

@@ -22,7 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .request import GREEDY_EPS
+from .runner_request import PromptLogprobsJob, RunnerRequest
+from .sampling_columns import SamplingColumns, prompt_logprob_jobs
 from .sampling_inputs import SamplingFlags, SamplingLayout, write_sections
 from .sampling_state import SamplingState
 from .scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
@@ -33,40 +34,7 @@ from .step_layout import PAD_SLOT, StepLayout
 # step with more ships them in a second copy (`InputBatch.copy_to`)
 SPARSE_RESERVE = 1 << 16
 
-__all__ = ["InputBatch", "PAD_SLOT", "RunnerRequest", "StepInputs", "StepLayout"]
-
-
-@dataclass
-class RunnerRequest:
-    """The runner's one record of a request, from its first scheduled step until it finishes.
-
-    row: its row in the input batch while it runs, -1 while preempted. prompt_token_ids: kept
-    when its sampling needs them (`SamplingState.needs_prompt`). min_tokens_ids: the sampling
-    state's, without ids past the vocabulary. penalty_slot: its row in `PenaltyState` (0 =
-    none). next_prompt_logprob: prompt index of the next prompt log-prob to hand out (a
-    recompute after preemption does not hand them out twice).
-    """
-
-    request_id: str
-    sampling: SamplingState
-    prompt_token_ids: list[int] | None
-    min_tokens_ids: list[int]
-    row: int = -1
-    penalty_slot: int = 0
-    next_prompt_logprob: int = 1
-
-
-@dataclass
-class PromptLogprobsJob:
-    """Prompt log-prob rows of one request in this step: flattened rows ``row0 ..
-    row0 + len(targets) - 1`` predict prompt tokens ``targets``, the first at prompt index
-    ``start``."""
-
-    request_id: str
-    row0: int
-    start: int
-    targets: list[int]
-    num: int
+__all__ = ["InputBatch", "PromptLogprobsJob", "RunnerRequest", "StepInputs"]
 
 
 @dataclass
@@ -87,7 +55,6 @@ class StepInputs:
     flags: SamplingFlags = field(default_factory=SamplingFlags)
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     logprob_widths: list[tuple[str, int]] = field(default_factory=list)  # (id, 1 + N)
-    num_fresh_penalty_slots: int = 0
 
     @property
     def num_reqs(self) -> int:
@@ -120,29 +87,10 @@ class InputBatch:
         n = max_num_seqs
         self.block_table = np.zeros((n, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(n, dtype=np.int32)
-        # sampling columns, one entry per row
-        self.temperature = np.zeros(n, dtype=np.float32)
-        self.top_k = np.zeros(n, dtype=np.int64)
-        self.top_p = np.ones(n, dtype=np.float32)
-        self.min_p = np.zeros(n, dtype=np.float32)
-        self.seed = np.zeros(n, dtype=np.int64)
-        self.penalty_slot = np.zeros(n, dtype=np.int64)
-        self.presence = np.zeros(n, dtype=np.float32)
-        self.frequency = np.zeros(n, dtype=np.float32)
-        self.repetition = np.ones(n, dtype=np.float32)
-        self.has_bias = np.zeros(n, dtype=bool)
-        self.min_tokens = np.zeros(n, dtype=np.int64)  # 0 when it masks no id
-        self.num_prompt = np.zeros(n, dtype=np.int64)
-        self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none
+        self.sampling = SamplingColumns(n, vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.row_req: list[RunnerRequest | None] = [None] * n
         self._free = list(range(n - 1, -1, -1))
-        # penalty rows (slot 0 = no penalty): handed out here, tensors in core/penalties.py
-        self.num_penalty_slots = 1
-        self._penalty_free: list[int] = []
-        self._fresh_penalty: list[int] = []
-        self._new_prompt_masks: list[tuple[int, list[int]]] = []
-        self._num_prompt_logprobs = 0  # records that ask for prompt log-probs
         step = max(StepLayout(max_num_tokens, n, max_blocks).size,
                    StepLayout.for_graph(n, max_blocks).size)
         # + the dense sampling columns (5 int64 and 6 fp32 per row) and the sparse reserve
@@ -168,10 +116,7 @@ class InputBatch:
             if rec is None:
                 continue
             self._free_row(rec)
-            if rec.penalty_slot:
-                self._penalty_free.append(rec.penalty_slot)
-            if rec.sampling.prompt_logprobs is not None:
-                self._num_prompt_logprobs -= 1
+            self.sampling.drop_record(rec)
 
     def preempt(self, request_ids) -> None:
         """Free the rows of preempted requests; their records stay until they finish."""
@@ -204,42 +149,16 @@ class InputBatch:
             rec = RunnerRequest(rid, st, list(new.prompt_token_ids) if st.needs_prompt
                                 else None, mt_ids)
             self.requests[rid] = rec
-            if st.prompt_logprobs is not None:
-                self._num_prompt_logprobs += 1
-            if st.has_penalties:
-                self._assign_penalty_slot(rec)
+            self.sampling.new_record(rec)
         self._free_row(rec)  # (a resumed request's row is already free)
         if not self._free:
             raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests hold "
                                f"batch rows")
         row = rec.row = self._free.pop()
         self.row_req[row] = rec
-        st = rec.sampling
-        self.temperature[row] = st.temperature
-        self.top_k[row] = st.top_k
-        self.top_p[row] = st.top_p
-        self.min_p[row] = st.min_p
-        self.seed[row] = st.seed
-        self.penalty_slot[row] = rec.penalty_slot
-        self.presence[row] = st.presence_penalty
-        self.frequency[row] = st.frequency_penalty
-        self.repetition[row] = st.repetition_penalty
-        self.has_bias[row] = bool(st.logit_bias)
-        self.min_tokens[row] = st.min_tokens if rec.min_tokens_ids else 0
-        self.num_prompt[row] = st.num_prompt_tokens
-        self.logprobs[row] = -1 if st.logprobs is None else st.logprobs
+        self.sampling.set_row(row, rec)
         self.num_blocks[row] = 0
         return row
-
-    def _assign_penalty_slot(self, rec: RunnerRequest) -> None:
-        if not self._penalty_free:  # double the rows (slot 0 is never handed out)
-            old = self.num_penalty_slots
-            self.num_penalty_slots = max(8, 2 * old)
-            self._penalty_free.extend(range(self.num_penalty_slots - 1, old - 1, -1))
-        rec.penalty_slot = self._penalty_free.pop()
-        self._fresh_penalty.append(rec.penalty_slot)
-        if rec.sampling.repetition_penalty != 1.0 and rec.prompt_token_ids:
-            self._new_prompt_masks.append((rec.penalty_slot, rec.prompt_token_ids))
 
     def _set_blocks(self, row: int, request_id: str, block_ids: list[int], append: bool) -> None:
         have = int(self.num_blocks[row]) if append else 0
@@ -314,7 +233,16 @@ class InputBatch:
         inp = StepInputs(layout, graph_batch is not None, {}, sample_ids,
                          sample_positions.tolist(), int(qlens.max()), int(seq_lens.max()),
                          qsl.tolist(), seq_lens.tolist())
-        sections = self._sampling_sections(inp, sched, slots, sample_rows, sample_positions)
+        sections = self.sampling.sections(slots[sample_rows], sample_positions + 1,
+                                          sample_ids, self.row_req, inp.flags,
+                                          inp.logprob_widths)
+        if self.sampling.num_prompt_logprobs:
+            inp.prompt_jobs = prompt_logprob_jobs(sched, [self.row_req[r] for r in slots],
+                                                  inp.query_start_loc)
+            if inp.prompt_jobs:
+                sections["plp_rows"] = [j.row0 + k for j in inp.prompt_jobs
+                                        for k in range(len(j.targets))]
+                sections["plp_targets"] = [t for j in inp.prompt_jobs for t in j.targets]
         counts = {k: len(v) for k, v in sections.items()}
         inp.sampling = SamplingLayout.build(layout.size, counts) if counts else None
         buf = self._next_buffer(inp.size)
@@ -345,100 +273,6 @@ class InputBatch:
             write_sections({k: v.numpy() for k, v in inp.sampling.views(buf).items()},
                            sections)
         return inp
-
-    def _sampling_sections(self, inp: StepInputs, sched: list[ScheduledRequest],
-                           slots: np.ndarray, sample_rows: list[int],
-                           sample_positions: np.ndarray) -> dict[str, object]:
-        """The step's sampling sections (host values) and flags (set on ``inp``)."""
-        out: dict[str, object] = {}
-        flags = inp.flags
-        if self._fresh_penalty:
-            out["fresh_penalty_slots"] = self._fresh_penalty
-            inp.num_fresh_penalty_slots = len(self._fresh_penalty)
-            self._fresh_penalty = []
-        if self._new_prompt_masks:
-            vocab = self.vocab_size
-            out["pmask_slots"] = [s for s, p in self._new_prompt_masks for _ in p]
-            out["pmask_ids"] = [t % vocab if vocab else t
-                                for _, p in self._new_prompt_masks for t in p]
-            self._new_prompt_masks = []
-        self._prompt_logprob_sections(inp, sched, slots, out)
-        if not sample_rows:
-            return out
-        rows = slots[sample_rows]
-        pos = sample_positions + 1  # index of the token each row samples
-        temps = self.temperature[rows]
-        if not (temps < GREEDY_EPS).all():
-            flags.all_greedy = False
-            top_k, top_p = self.top_k[rows], self.top_p[rows]
-            vocab = self.vocab_size
-            flags.any_top_k = bool(((top_k > 0) & (top_k < vocab if vocab else True)).any())
-            flags.any_top_p = bool((top_p < 1.0).any())
-            out.update(seeds=self.seed[rows], top_k=top_k, positions=pos, temperature=temps,
-                       top_p=top_p)
-            min_p = self.min_p[rows]
-            if ((min_p > 0.0) & (temps >= GREEDY_EPS)).any():
-                flags.has_min_p = True
-                out["min_p"] = min_p
-        pen = self.penalty_slot[rows]
-        if pen.any():
-            rep = self.repetition[rows]
-            flags.has_penalties, flags.any_repetition = True, bool((rep != 1.0).any())
-            out.update(penalty_slots=pen, presence=self.presence[rows],
-                       frequency=self.frequency[rows], repetition=rep)
-        lp = self.logprobs[rows]
-        lp_rows = np.flatnonzero(lp >= 0)
-        if len(lp_rows):
-            out["logprob_rows"] = lp_rows
-            flags.num_logprobs = int(lp[lp_rows].max())
-            inp.logprob_widths = [(inp.sample_ids[i], 1 + int(lp[i])) for i in lp_rows]
-        self._sparse_sections(rows, pos, out)
-        return out
-
-    def _sparse_sections(self, rows: np.ndarray, pos: np.ndarray, out: dict) -> None:
-        """logit_bias entries, and the min-tokens mask of rows still short of min_tokens."""
-        b_rows, b_ids, b_vals, m_rows, m_ids = [], [], [], [], []
-        for i in np.flatnonzero(self.has_bias[rows]).tolist():
-            bias = self.row_req[rows[i]].sampling.logit_bias
-            b_rows.extend([i] * len(bias))
-            b_ids.extend(bias)
-            b_vals.extend(bias.values())
-        short = np.flatnonzero(pos - self.num_prompt[rows] < self.min_tokens[rows])
-        for i in short.tolist():
-            mt = self.row_req[rows[i]].min_tokens_ids
-            m_rows.extend([i] * len(mt))
-            m_ids.extend(mt)
-        if b_rows:
-            out.update(bias_rows=b_rows, bias_ids=b_ids, bias_values=b_vals)
-        if m_rows:
-            out.update(mask_rows=m_rows, mask_ids=m_ids)
-
-    def _prompt_logprob_sections(self, inp: StepInputs, sched: list[ScheduledRequest],
-                                 slots: np.ndarray, out: dict) -> None:
-        """Prompt log-prob jobs of the rows that ask for them: rows at positions p (<
-        num_prompt_tokens - 1) predict prompt token p + 1; each prompt index is handed out once
-        (a recompute after preemption skips those already sent)."""
-        if not self._num_prompt_logprobs:
-            return
-        jobs = []
-        for i, sr in enumerate(sched):
-            rec = self.row_req[slots[i]]
-            num = rec.sampling.prompt_logprobs
-            if num is None:
-                continue
-            first = max(sr.start_pos, rec.next_prompt_logprob - 1)
-            end = min(sr.start_pos + len(sr.token_ids), rec.sampling.num_prompt_tokens - 1)
-            if first >= end:
-                continue
-            rec.next_prompt_logprob = end + 1
-            jobs.append(PromptLogprobsJob(sr.request_id,
-                                          inp.query_start_loc[i] + first - sr.start_pos,
-                                          first + 1, rec.prompt_token_ids[first + 1:end + 1],
-                                          num))
-        if jobs:
-            inp.prompt_jobs = jobs
-            out["plp_rows"] = [j.row0 + k for j in jobs for k in range(len(j.targets))]
-            out["plp_targets"] = [t for j in jobs for t in j.targets]
 
     def _next_buffer(self, size: int) -> torch.Tensor:
         i = self._next

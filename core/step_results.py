@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .input_batch import PromptLogprobsJob
+from .runner_request import PromptLogprobsJob
 from .request import LogprobsLists
 from .sampler import LogprobsTensors, compute_logprobs, gather_logprobs
 

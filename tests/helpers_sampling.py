@@ -43,11 +43,11 @@ class SamplingHarness:
     @property
     def penalties(self) -> SimpleNamespace:
         """The device counts and the free penalty rows."""
-        return SimpleNamespace(counts=self.state.counts, free=self.ib._penalty_free)
+        return SimpleNamespace(counts=self.state.counts, free=self.ib.sampling.penalty_free)
 
     def bump_seed(self, request_id: str) -> None:
         """Give a request's row the next seed (a different draw at the same position)."""
-        self.ib.seed[self.ib.requests[request_id].row] += 1
+        self.ib.sampling.seed[self.ib.requests[request_id].row] += 1
 
     def batch(self, request_ids: list[str], positions: list[int]) -> SamplingBatch:
         """One decode step of rows ``request_ids``; positions: index of the token each row
@@ -63,7 +63,7 @@ class SamplingHarness:
         s = inp.sampling.views(buf) if inp.sampling is not None else None
         if s is not None:
             s = {k: v.to(self.device) for k, v in s.items()}
-            self.state.ensure(self.ib.num_penalty_slots)
+            self.state.ensure(self.ib.sampling.num_penalty_slots)
             self.state.reset(s["fresh_penalty_slots"], s["pmask_slots"], s["pmask_ids"])
         self._slots = s["penalty_slots"] if inp.flags.has_penalties else None
         return sampling_batch(s, inp.flags, self.state)
