@@ -133,6 +133,7 @@ class InputBatch:
 
     def _free_row(self, rec: RunnerRequest) -> None:
         if rec.row >= 0:
+            self.sampling.clear_row(rec.row)
             self.num_blocks[rec.row] = 0
             self.row_req[rec.row] = None
             self._free.append(rec.row)

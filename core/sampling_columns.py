@@ -18,8 +18,17 @@ from .runner_request import PromptLogprobsJob, RunnerRequest
 from .sampling_inputs import SamplingFlags
 
 
+# what a row uses beyond greedy argmax, as bits of `SamplingColumns.uses`
+_RANDOM, _PENALTY, _LOGPROBS, _BIAS, _MIN_TOKENS = 1, 2, 4, 8, 16
+_BITS = (_RANDOM, _PENALTY, _LOGPROBS, _BIAS, _MIN_TOKENS)
+
+
 class SamplingColumns:
-    """``num_rows`` rows of sampling parameters; ``vocab_size`` bounds token ids (None: tests)."""
+    """``num_rows`` rows of sampling parameters; ``vocab_size`` bounds token ids (None: tests).
+
+    Per row, ``uses`` holds bits of what it needs beyond argmax (a draw, penalties, log-probs,
+    logit bias, a min-tokens mask), and ``_num_using`` counts the rows with each bit, so that a
+    step of plain greedy rows gathers no column at all."""
 
     def __init__(self, num_rows: int, vocab_size: int | None):
         n = num_rows
@@ -37,6 +46,8 @@ class SamplingColumns:
         self.min_tokens = np.zeros(n, dtype=np.int64)  # 0 when it masks no id
         self.num_prompt = np.zeros(n, dtype=np.int64)
         self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none
+        self.uses = np.zeros(n, dtype=np.int64)
+        self._num_using = dict.fromkeys(_BITS, 0)
         self.num_penalty_slots = 1  # rows of PenaltyState wanted (slot 0 = no penalty)
         self.penalty_free: list[int] = []
         self._fresh_penalty: list[int] = []
@@ -85,6 +96,24 @@ class SamplingColumns:
         self.min_tokens[row] = st.min_tokens if rec.min_tokens_ids else 0
         self.num_prompt[row] = st.num_prompt_tokens
         self.logprobs[row] = -1 if st.logprobs is None else st.logprobs
+        uses = ((_RANDOM if st.temperature >= GREEDY_EPS else 0)
+                | (_PENALTY if rec.penalty_slot else 0)
+                | (_LOGPROBS if st.logprobs is not None else 0)
+                | (_BIAS if st.logit_bias else 0)
+                | (_MIN_TOKENS if rec.min_tokens_ids and st.min_tokens else 0))
+        self.uses[row] = uses
+        for bit in _BITS:
+            if uses & bit:
+                self._num_using[bit] += 1
+
+    def clear_row(self, row: int) -> None:
+        """``row`` is free again (its request finished or was preempted)."""
+        uses = int(self.uses[row])
+        if uses:
+            for bit in _BITS:
+                if uses & bit:
+                    self._num_using[bit] -= 1
+            self.uses[row] = 0
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -103,10 +132,11 @@ class SamplingColumns:
             masks, self._new_prompt_masks = self._new_prompt_masks, []
             out["pmask_slots"] = [s for s, p in masks for _ in p]
             out["pmask_ids"] = [t % vocab if vocab else t for _, p in masks for t in p]
-        if not len(rows):
+        using = self._num_using
+        if not len(rows) or not any(using.values()):  # plain greedy rows only
             return out
         temps = self.temperature[rows]
-        if not (temps < GREEDY_EPS).all():
+        if using[_RANDOM] and not (temps < GREEDY_EPS).all():
             flags.all_greedy = False
             top_k, top_p = self.top_k[rows], self.top_p[rows]
             vocab = self.vocab_size
@@ -118,19 +148,20 @@ class SamplingColumns:
             if ((min_p > 0.0) & (temps >= GREEDY_EPS)).any():
                 flags.has_min_p = True
                 out["min_p"] = min_p
-        pen = self.penalty_slot[rows]
-        if pen.any():
+        pen = self.penalty_slot[rows] if using[_PENALTY] else None
+        if pen is not None and pen.any():
             rep = self.repetition[rows]
             flags.has_penalties, flags.any_repetition = True, bool((rep != 1.0).any())
             out.update(penalty_slots=pen, presence=self.presence[rows],
                        frequency=self.frequency[rows], repetition=rep)
-        lp = self.logprobs[rows]
-        lp_rows = np.flatnonzero(lp >= 0)
+        lp = self.logprobs[rows] if using[_LOGPROBS] else None
+        lp_rows = np.flatnonzero(lp >= 0) if lp is not None else ()
         if len(lp_rows):
             out["logprob_rows"] = lp_rows
             flags.num_logprobs = int(lp[lp_rows].max())
             widths.extend((sample_ids[i], 1 + int(lp[i])) for i in lp_rows)
-        self._sparse(rows, positions, row_req, out)
+        if using[_BIAS] or using[_MIN_TOKENS]:
+            self._sparse(rows, positions, row_req, out)
         return out
 
     def _sparse(self, rows: np.ndarray, positions: np.ndarray,
