@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
+from .bench.command import add_bench_parser, run_bench
 from .config import ConfigOption, EngineConfig, add_cli_options, cli_values
 from .errors import PagebatchError
 from .registry import registry
@@ -77,8 +78,6 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-
     return run_bench(args, _config_from_args(args))
 
 
@@ -158,8 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list plugins, versions and what they register")
     p.set_defaults(func=_cmd_plugins)
     _add_quantize_parser(sub)
-
-    from .bench import add_bench_parser
 
     add_bench_parser(sub, _add_engine_args, _cmd_bench)
 
