@@ -1,5 +1,8 @@
 """The ``pagebatch`` command: generate | serve | bench | quantize | plugins, and frontends' own.
 
+``serve`` comes from a frontend plugin (``register_frontends``) and ``quantize`` from the quant
+package (``register_commands``): this file imports no built-in plugin.
+
 Engine keys are options of every engine subcommand (``--max-num-seqs 64``) and keys of the
 ``--config FILE`` YAML; the command line wins over the file, the file over defaults.
 """
@@ -11,6 +14,7 @@ import logging
 import sys
 from typing import Sequence
 
+from .bench.command import add_bench_parser, run_bench
 from .config import ConfigOption, EngineConfig, add_cli_options, cli_values
 from .errors import PagebatchError
 from .registry import registry
@@ -77,51 +81,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-
     return run_bench(args, _config_from_args(args))
-
-
-def _cmd_quantize(args: argparse.Namespace) -> int:
-    from pagebatch.quant.calibrate import QuantizeSpec, quantize
-
-    spec = QuantizeSpec(method=args.method, bits=args.bits, group_size=args.group_size,
-                        sym=args.sym, act_order=args.act_order, rtn=args.rtn,
-                        clip=args.clip, damp_percent=args.damp_percent,
-                        calib_file=args.calib_file, num_samples=args.num_samples,
-                        seq_len=args.seq_len, seed=args.seed, lm_head=args.lm_head)
-    out = quantize(args.model, args.out_dir, spec, device=args.device)
-    print(out, flush=True)
-    return 0
-
-
-def _add_quantize_parser(sub) -> None:
-    from pagebatch.quant.calibrate import QuantizeSpec as D  # the defaults
-
-    q = sub.add_parser("quantize", help="write an AWQ / GPTQ / int8 checkpoint from calibration "
-                       "text (AutoAWQ / AutoGPTQ formats)")
-    q.add_argument("model", metavar="MODEL", help="model name or Hugging Face folder")
-    q.add_argument("out_dir", metavar="OUT_DIR", help="folder to write")
-    q.add_argument("--method", required=True, choices=["awq", "gptq", "int8"])
-    q.add_argument("--bits", type=int, default=D.bits, help="4 (awq), 4 or 8 (gptq)")
-    q.add_argument("--group-size", type=int, default=D.group_size,
-                   help="input columns per group; -1: one group per row")
-    q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
-                   help="symmetric grid (default: gptq yes, awq no, i.e. zero points)")
-    q.add_argument("--act-order", action="store_true", help="GPTQ desc_act (writes g_idx)")
-    q.add_argument("--rtn", action="store_true", help="round to nearest, no calibration")
-    q.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True,
-                   help="AWQ's clipping search")
-    q.add_argument("--damp-percent", type=float, default=D.damp_percent,
-                   help="GPTQ Hessian damping")
-    q.add_argument("--calib-file", help="calibration text (default: the shipped English text)")
-    q.add_argument("--num-samples", type=int, default=D.num_samples, help="calibration windows")
-    q.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per calibration window")
-    q.add_argument("--seed", type=int, default=D.seed, help="seed of the window offsets")
-    q.add_argument("--lm-head", action="store_true",
-                   help="gptq: quantize the LM head too (GPTQModel's lm_head: true)")
-    q.add_argument("--device", default="cpu", help="torch device for the calibration forward")
-    q.set_defaults(func=_cmd_quantize)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -157,13 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list plugins, versions and what they register")
     p.set_defaults(func=_cmd_plugins)
-    _add_quantize_parser(sub)
-
-    from .bench import add_bench_parser
+    reg = registry()
+    for name in reg.names("command"):  # e.g. quantize (the quant package's)
+        cmd = reg.command(name)
+        cp = sub.add_parser(name, help=getattr(cmd, "help", None))
+        cmd.add_arguments(cp)
+        cp.set_defaults(func=cmd.run)
 
     add_bench_parser(sub, _add_engine_args, _cmd_bench)
 
-    reg = registry()
     for name in reg.names("frontend"):
         fe = reg.frontend(name)
         fp = sub.add_parser(name, help=getattr(fe, "help", f"run the {name} frontend"))

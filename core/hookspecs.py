@@ -72,6 +72,19 @@ def register_frontends(register):
 
 
 @hookspec
+def register_commands(register):
+    """Register CLI subcommands that run no engine: ``register(name, command)``.
+
+    ``command`` is an object with ``help`` (its one-line help), ``add_arguments(parser)`` (its
+    positionals and options on the ``pagebatch NAME`` argparse parser) and
+    ``run(args) -> int`` (the exit status; a ``PagebatchError`` prints as ``error: ...``,
+    status 2). Unlike a frontend it gets no engine keys and no `EngineConfig`. The quant
+    package registers ``pagebatch quantize`` this way. The names ``generate``, ``plugins``,
+    ``bench`` and the frontends' are taken.
+    """
+
+
+@hookspec
 def register_config_options(register):
     """Declare config keys this plugin reads: ``register(ConfigOption(...))``.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 BlockHash = bytes
@@ -200,13 +200,29 @@ class PrefixCacheStats:
     hits: int = 0
 
 
+@dataclass(eq=False)
+class BlockTable:
+    """One request's blocks in the `KVCacheManager`: ``blocks`` in table order, ``block_ids``
+    the same table as ints (handed to the runner as is, no copy per step), and
+    ``num_cached_blocks``, how many leading blocks are registered in the prefix cache."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+
+    def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.blocks.extend(blocks)
+        self.block_ids.extend(b.block_id for b in blocks)
+
+
 class KVCacheManager:
     """Gives requests the blocks they need, step by step, and takes them back.
 
     ``get_computed_blocks(hashes, num_tokens)`` finds a new request's cached prefix;
     ``allocate_slots(request_id, num_tokens, new_computed_blocks, block_hashes)`` grows its block
     table to cover ``num_tokens`` tokens and registers blocks that are now full;
-    ``free(request_id)`` returns all of its blocks.
+    ``free(request_id)`` returns all of its blocks. Each request has one `BlockTable` in
+    ``block_tables`` while it holds blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
@@ -215,9 +231,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as block ids
-        self.req_num_cached: dict[str, int] = {}  # blocks of each request registered so far
+        self.block_tables: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -267,7 +281,8 @@ class KVCacheManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs so that its table covers ``num_tokens`` tokens."""
-        have = len(self.req_blocks.get(request_id, ()))
+        table = self.block_tables.get(request_id)
+        have = len(table.blocks) if table is not None else 0
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -288,13 +303,13 @@ class KVCacheManager:
         Returns the ids of the newly taken blocks, or None when too few blocks are free
         (nothing is taken then).
         """
-        have = self.req_blocks.get(request_id)
-        held = len(have) if have else 0
+        table = self.block_tables.get(request_id)
+        held = len(table.blocks) if table is not None else 0
         if not new_computed_blocks and num_tokens <= held * self.block_size:
             # the common decode step: the table already covers it (no pool work)
-            if (self.enable_caching and block_hashes
-                    and num_tokens // self.block_size > self.req_num_cached.get(request_id, 0)):
-                self._cache_full_blocks(request_id, have, block_hashes, num_tokens)
+            if (table is not None and self.enable_caching and block_hashes
+                    and num_tokens // self.block_size > table.num_cached_blocks):
+                self._cache_full_blocks(table, block_hashes, num_tokens)
             return []
         need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -303,34 +318,31 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
         new = self.pool.get_new_blocks(need)
-        blocks = self.req_blocks.setdefault(request_id, [])
-        blocks.extend(new_computed_blocks)
-        blocks.extend(new)
-        ids = self.req_block_ids.setdefault(request_id, [])
-        ids.extend(b.block_id for b in new_computed_blocks)
-        ids.extend(b.block_id for b in new)
+        if table is None:
+            table = self.block_tables[request_id] = BlockTable()
+        table.extend(new_computed_blocks)
+        table.extend(new)
         if self.enable_caching and block_hashes:
-            self._cache_full_blocks(request_id, blocks, block_hashes, num_tokens)
+            self._cache_full_blocks(table, block_hashes, num_tokens)
         return [b.block_id for b in new]
 
-    def _cache_full_blocks(self, request_id: str, blocks: list[KVCacheBlock],
-                           block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        done = self.req_num_cached.get(request_id, 0)
-        full = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
+    def _cache_full_blocks(self, table: BlockTable, block_hashes: Sequence[BlockHash],
+                           num_tokens: int) -> None:
+        done = table.num_cached_blocks
+        full = min(num_tokens // self.block_size, len(block_hashes), len(table.blocks))
         for i in range(done, full):
-            self.pool.cache_block(blocks[i], block_hashes[i])
+            self.pool.cache_block(table.blocks[i], block_hashes[i])
         if full > done:
-            self.req_num_cached[request_id] = full
+            table.num_cached_blocks = full
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids. The list is the manager's own (no copy per
         step): read it before the next allocation, never change it."""
-        return self.req_block_ids.get(request_id, [])
+        table = self.block_tables.get(request_id)
+        return table.block_ids if table is not None else []
 
     def free(self, request_id: str) -> None:
         """Return every block of the request (tail first). Freeing an unknown id is a no-op."""
-        self.req_num_cached.pop(request_id, None)
-        self.req_block_ids.pop(request_id, None)
-        blocks = self.req_blocks.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
+        table = self.block_tables.pop(request_id, None)
+        if table is not None and table.blocks:
+            self.pool.free_blocks(reversed(table.blocks))

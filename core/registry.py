@@ -42,6 +42,7 @@ KINDS = {
     "attention_backend": "register_attention_backends",
     "model": "register_models",
     "frontend": "register_frontends",
+    "command": "register_commands",
     "config_option": "register_config_options",
 }
 
@@ -210,6 +211,10 @@ class Registry:
 
     def frontend(self, name: str) -> Any:
         return self.get("frontend", name)
+
+    def command(self, name: str) -> Any:
+        """The CLI subcommand ``name`` a plugin registered (``register_commands``)."""
+        return self.get("command", name)
 
     def config_options(self) -> dict[str, Any]:
         return {n: c for n, (c, _) in self._components["config_option"].items()}

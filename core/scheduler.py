@@ -119,9 +119,8 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    """Counters since the scheduler started (gauges are read off ``running`` / ``waiting``)."""
+
     num_preemptions: int = 0
     num_steps: int = 0
 
@@ -380,7 +379,4 @@ class Scheduler:
             reason = req.check_stop()
             if reason is not None:
                 self._finish(req, reason)
-        st = self.stats
-        st.num_running, st.num_waiting = len(self.running), len(self.waiting)
-        st.kv_cache_usage = self.kv_cache.usage
         return out

@@ -20,7 +20,7 @@ activations): each quant method's ``apply`` against the bf16 matmul (``F.linear`
            timed as the tuner times (session 6: slower than the W4A16 GEMV on every shape)
   --tune DIR  every W4A16 config at decode sizes (the CUDA-core GEMV and the split-K GEMM),
            the fastest per shape and M written to DIR as the tuned table that pick_config reads
-           (core/kernels/tuned.py; commit it under core/kernels/configs/). Both tunings time
+           (core/kernels/tuned.py; commit it under quant/kernels/configs/). Both tunings time
            the gate/up shapes as decode runs them: the GEMV with SiLU-and-mul in its epilogue
            against the other paths followed by the activation kernel (GATED_SHAPES)
 
@@ -414,10 +414,11 @@ def bench_tune_mma(tune_dir: str | None, rows: tuple[int, ...],
     ``wna16`` table, written to ``tune_dir`` (starting from the packaged table, whose other
     entries are kept). ``shapes``: as `bench_tune`'s."""
     from pagebatch.kernels import tuned
+    from pagebatch.quant.kernels import CONFIG_DIR
 
     print("== W4A16 tensor-core kernel vs the path configured now (us) ==", flush=True)
     path, table = _tuned_table("wna16", tune_dir)
-    packaged = tuned.config_path("wna16", tuned.device_name(DEV), tuned.CONFIG_DIR)
+    packaged = tuned.config_path("wna16", tuned.device_name(DEV), CONFIG_DIR)
     if path is not None and not table and packaged.is_file():
         table = json.loads(packaged.read_text())
     bits = 4

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--trace", help="write the profiled steps' Chrome trace (timeline) here")
     a = ap.parse_args()
-    from pagebatch.bench import make_workload
+    from pagebatch.bench.workload import make_workload
     from pagebatch.config import EngineConfig
     from pagebatch.engine import LLMEngine
     from pagebatch.request import SamplingParams

@@ -189,20 +189,23 @@ def reference_outputs(req: Request,
 def check_block_invariants(kv: KVCacheManager) -> None:
     """No block leaked, double-freed or held twice; ref counts equal live users."""
     pool = kv.pool
+    req_blocks = {rid: t.blocks for rid, t in kv.block_tables.items()}
+    for rid, t in kv.block_tables.items():  # one record: its ids are its blocks'
+        assert t.block_ids == [b.block_id for b in t.blocks], (rid, t)
     free_ids = pool.free_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)), f"a block is twice in the free queue: {free_ids}"
-    for rid, blocks in kv.req_blocks.items():  # shared across requests (prefix hits), not within
+    for rid, blocks in req_blocks.items():  # shared across requests (prefix hits), not within
         ids = [b.block_id for b in blocks]
         assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
-    held = sorted({b.block_id for blocks in kv.req_blocks.values() for b in blocks})
+    held = sorted({b.block_id for blocks in req_blocks.values() for b in blocks})
     if not kv.enable_caching:
-        n_held = sum(len(blocks) for blocks in kv.req_blocks.values())
-        assert n_held == len(held), f"a block is held twice: {kv.req_blocks}"
+        n_held = sum(len(blocks) for blocks in req_blocks.values())
+        assert n_held == len(held), f"a block is held twice: {req_blocks}"
     assert not set(free_ids) & set(held), f"blocks both free and held: {set(free_ids) & set(held)}"
     assert sorted(free_ids + held) == list(range(pool.num_blocks)), "a block leaked"
     assert pool.num_free_blocks == len(free_ids)
     users: dict[int, int] = {}
-    for blocks in kv.req_blocks.values():
+    for blocks in req_blocks.values():
         for b in blocks:
             users[b.block_id] = users.get(b.block_id, 0) + 1
     for b in pool.blocks:
@@ -218,7 +221,7 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
     assert running | waiting == set(sched.requests)
     assert len(sched.running) <= sched.max_num_seqs
     # only running requests hold blocks, and enough to cover what they have computed
-    assert {rid for rid, blocks in kv.req_blocks.items() if blocks} <= running
+    assert {rid for rid, t in kv.block_tables.items() if t.blocks} <= running
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert len(kv.block_ids(r.request_id)) * kv.block_size >= r.num_computed_tokens

@@ -1,11 +1,11 @@
-"""`pagebatch bench`'s weights figure (core/bench.py weight_bytes): parameters and persistent
-buffers, each storage once; derived non-persistent caches left out."""
+"""`pagebatch bench`'s weights figure (core/bench/offline.py weight_bytes): parameters and
+persistent buffers, each storage once; derived non-persistent caches left out."""
 
 from __future__ import annotations
 
 import torch
 
-from pagebatch.bench import weight_bytes
+from pagebatch.bench.offline import weight_bytes
 
 
 def test_weight_bytes_counts_tied_storage_once_and_skips_caches():
@@ -22,7 +22,7 @@ def test_throughput_iterations_do_not_hit_each_others_prefix_cache(tiny_model_di
     """`bench throughput --num-iters 2`: the second timed run gets prompts of its own, so its
     figure is not a prefix-cache replay of the first (the H200 run that found this had the
     second iteration 1.7x faster)."""
-    from pagebatch.bench import bench_pagebatch
+    from pagebatch.bench.offline import bench_pagebatch
     from pagebatch.config import EngineConfig
     from pagebatch.engine import LLMEngine
 

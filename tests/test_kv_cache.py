@@ -141,7 +141,7 @@ def test_manager_free_returns_blocks_tail_first():
     assert kv.block_ids("a") == [0, 1, 3]
     kv.free("a")
     assert kv.pool.free_queue.block_ids() == [4, 5, 3, 1, 0]
-    assert kv.block_ids("a") == [] and "a" not in kv.req_blocks
+    assert kv.block_ids("a") == [] and "a" not in kv.block_tables
     assert [b.ref_cnt for b in kv.pool.blocks] == [0, 0, 1, 0, 0, 0]
     # the next request gets the least recently freed first: the untouched ones, then a's tail
     assert kv.allocate_slots("c", 6) == [4, 5, 3]
@@ -155,7 +155,7 @@ def test_manager_allocate_returns_none_and_takes_nothing_when_short():
     assert not kv.can_allocate("b", 5)
     assert kv.allocate_slots("b", 5) is None
     assert kv.pool.free_queue.block_ids() == free_before == [3]
-    assert kv.block_ids("b") == [] and "b" not in kv.req_blocks
+    assert kv.block_ids("b") == [] and "b" not in kv.block_tables
     assert kv.allocate_slots("a", 17) is None  # a growing request too
     assert kv.block_ids("a") == [0, 1, 2] and kv.num_free_blocks == 1
     assert kv.can_allocate("b", 4) and kv.allocate_slots("b", 4) == [3]

@@ -496,6 +496,50 @@ def test_cli_plugins_lists_builtins_and_what_they_register(capsys, third_party):
     assert out.index("torch_ref") < out.index("alpha") and out.index("fcfs") < out.index("alpha")
 
 
+# ---- CLI subcommands of plugins (register_commands) ----------------------------------------------
+
+class ShoutCommand:
+    help = "print a word in capitals"
+
+    def add_arguments(self, parser):
+        parser.add_argument("word")
+        parser.add_argument("--status", type=int, default=0)
+
+    def run(self, args):
+        print(args.word.upper())
+        return args.status
+
+
+def test_a_plugin_command_is_a_pagebatch_subcommand(capsys, third_party):
+    @hookimpl
+    def register_commands(register):
+        register("shout", ShoutCommand())
+
+    third_party.append(FakeEntryPoint("shouter", plugin_module(
+        "shouter", register_commands=register_commands)))
+    assert cli_main(["shout", "hello", "--status", "3"]) == 3
+    assert capsys.readouterr().out == "HELLO\n"
+    reg = registry()
+    assert reg.plugins["shouter"].provides == {"command": ["shout"]}
+    assert isinstance(reg.command("shout"), ShoutCommand)
+
+
+def test_quantize_is_registered_by_the_quant_package():
+    from pagebatch.quant.calibrate.command import QuantizeCommand
+
+    reg = loaded_registry()
+    info = reg.plugins["quantize"]
+    assert (info.builtin, info.error, info.provides) == (True, None, {"command": ["quantize"]})
+    assert isinstance(reg.command("quantize"), QuantizeCommand)
+
+
+def test_blocking_the_quantize_plugin_takes_its_subcommand_away(monkeypatch, capsys):
+    monkeypatch.setenv("PAGEBATCH_BLOCK_PLUGINS", "quantize")
+    with pytest.raises(SystemExit):
+        cli_main(["quantize", "m", "out", "--method", "awq"])
+    assert "invalid choice: 'quantize'" in capsys.readouterr().err
+
+
 # ---- meta: every hook is tested and documented --------------------------------------------------
 
 def test_every_hookspec_is_implemented_by_a_test_and_documented():

@@ -95,8 +95,8 @@ def test_request_joins_in_the_step_after_another_finishes():
         sched.add_request(make_request(rid, 3, max_tokens=mt))
     first, _ = step(sched, runner)
     st_ = sched.stats
-    assert (st_.num_running, st_.num_waiting, st_.num_steps) == (2, 1, 1)
-    assert st_.kv_cache_usage == 2 / 16  # a and b hold one block each
+    assert (len(sched.running), len(sched.waiting), st_.num_steps) == (2, 1, 1)
+    assert sched.kv_cache.usage == 2 / 16  # a and b hold one block each
     shapes = [shape(first)] + [shape(so) for so in run_until_done(sched, runner)]
     assert shapes == [
         [("a", 3, 0), ("b", 3, 0)],  # c waits: max_num_seqs=2
@@ -104,7 +104,8 @@ def test_request_joins_in_the_step_after_another_finishes():
         [("b", 1, 4), ("c", 3, 0)],  # c joins next step, decode and prefill mixed
         [("b", 1, 5), ("c", 1, 3)],  # b finishes (4 tokens), c finishes (2 tokens)
     ]
-    assert (st_.num_running, st_.num_waiting, st_.kv_cache_usage, st_.num_steps) == (0, 0, 0, 4)
+    assert (len(sched.running), len(sched.waiting), sched.kv_cache.usage,
+            st_.num_steps) == (0, 0, 0, 4)
     assert sched.kv_cache.num_free_blocks == 16
 
 

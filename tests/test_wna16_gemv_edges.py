@@ -1,8 +1,8 @@
 """Edge cases of the W4A16 / W8A16 decode paths: the CUDA-core GEMV (quant/kernels/wna16_gemv.py:
 fp32 magic-number fields, split-K by the last-arriving program) — precision with activations of
 non-zero mean, input checks — `pick_config` / `run_config` / `wna16_matmul` (quant/kernels/
-wna16.py) and the tuned tables (core/kernels/tuned.py). On the CPU the kernels run under
-``TRITON_INTERPRET=1`` in a child process (tests/interpreted.py).
+wna16.py) and the tuned tables (quant/kernels/configs/, core/kernels/tuned.py). On the CPU the
+kernels run under ``TRITON_INTERPRET=1`` in a child process (tests/interpreted.py).
 """
 
 from __future__ import annotations
@@ -167,10 +167,11 @@ def test_tuned_table_entries_are_runnable():
     from pathlib import Path
 
     from pagebatch.kernels import tuned
+    from pagebatch.quant.kernels import CONFIG_DIR
     from pagebatch.quant.kernels import wna16 as W
     from pagebatch.quant.kernels.wna16_gemv import gemv_supported
 
-    files = sorted(Path(tuned.CONFIG_DIR).glob("wna16_*.json"))
+    files = sorted(Path(CONFIG_DIR).glob("wna16_*.json"))
     assert files
     for path in files:
         for key, by_m in json.loads(path.read_text()).items():

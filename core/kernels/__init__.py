@@ -7,8 +7,14 @@ the plain torch path). Each module imports Triton, so import one only where it w
 - rotary.py: rotary embedding of q and k in one launch, from the layer's cos/sin table.
 - gemv.py: the 16-bit batch-1 GEMV (where a tuned table says it beats cuBLAS); splitk.py: the
   split-K reduction by the last-arriving program that it, the W4A16 GEMV, the split-KV
-  attention merge and argmax.py (the sampler's argmax) share; tuned.py: per-GPU config tables.
+  attention merge and argmax.py (the sampler's argmax) share; tuned.py: the lookup of per-GPU
+  config tables (configs/ holds the shared kernels' tables; quant/kernels/configs/ the quant
+  kernels').
 - pdl.py: programmatic dependent launch for these kernels (on; ``PAGEBATCH_PDL=0`` turns it off).
+
+What lives here: kernels that core layers, the sampler or distributed code use, and primitives
+several owners share (split-K, PDL, the tuned-table lookup). A kernel or table only one plugin
+family uses lives with it (quant/kernels/, plugins/attention/triton_kernels.py).
 
 Each rounds where its torch version in core/layers/ rounds, so the two agree to fp32 rounding
 (e.g. ``x + residual`` is rounded to x's dtype before it is normalised).

@@ -6,7 +6,9 @@ the kernel's own heuristics as the fallback for shapes or devices that have no e
 File: ``<dir>/<kernel>_<device name, spaces as _>.json`` = ``{shape key: {"M": config}}`` where
 ``M`` is the largest row count the config was measured at (a lookup for ``m`` rows takes the
 entry with the smallest ``M >= m``). Directories searched: ``$PAGEBATCH_KERNEL_CONFIG_DIR`` first
-(a fresh sweep), then core/kernels/configs/ in the package.
+(a fresh sweep), then the packaged folder of the kernel's owner: core/kernels/configs/ for the
+shared kernels (``dense_gemv``), quant/kernels/configs/ for the quant methods' (``wna16``), passed
+as ``directory``. The lookup is shared; each table lives with its kernel.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def config_path(kernel: str, name: str, directory: str | Path) -> Path:
 
 
 @functools.cache
-def load_table(kernel: str, name: str) -> dict[str, dict[int, dict[str, Any]]]:
-    """The table of ``kernel`` on device ``name`` ({} when there is none)."""
-    dirs = [d for d in (os.environ.get(ENV_DIR), CONFIG_DIR) if d]
+def load_table(kernel: str, name: str,
+               directory: Path = CONFIG_DIR) -> dict[str, dict[int, dict[str, Any]]]:
+    """The table of ``kernel`` on device ``name`` ({} when there is none), from
+    ``$PAGEBATCH_KERNEL_CONFIG_DIR``, else from the packaged ``directory``."""
+    dirs = [d for d in (os.environ.get(ENV_DIR), directory) if d]
     for d in dirs:
         path = config_path(kernel, name, d)
         if path.is_file():
@@ -52,11 +56,13 @@ def load_table(kernel: str, name: str) -> dict[str, dict[int, dict[str, Any]]]:
     return {}
 
 
-def lookup(kernel: str, device: torch.device, key: str, m: int) -> dict[str, Any] | None:
-    """The measured config of ``kernel`` for shape ``key`` at ``m`` rows, or None."""
+def lookup(kernel: str, device: torch.device, key: str, m: int,
+           directory: Path = CONFIG_DIR) -> dict[str, Any] | None:
+    """The measured config of ``kernel`` for shape ``key`` at ``m`` rows, or None (no table,
+    no entry, or not CUDA). ``directory``: the packaged tables of the kernel's owner."""
     if device.type != "cuda":
         return None
-    return select(load_table(kernel, device_name(device)).get(key) or {}, m)
+    return select(load_table(kernel, device_name(device), directory).get(key) or {}, m)
 
 
 def select(by_m: dict[int, dict[str, Any]], m: int) -> dict[str, Any] | None:

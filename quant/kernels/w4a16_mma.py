@@ -2,7 +2,7 @@
 x^T``, the 4-bit weights (canonical layout of quant/wna16.py, read as stored) as the MMA's A
 operand (rows = outputs, ``BLOCK_N`` per program) and up to ``BLOCK_M`` rows of x as its B
 operand: 2-16 rows cost about the weight read of one. Used where the tuned table
-(core/kernels/configs/wna16_<GPU>.json, ``kernel: mma``) measured it faster: on an H200, every
+(quant/kernels/configs/wna16_<GPU>.json, ``kernel: mma``) measured it faster: on an H200, every
 8B decode shape from 2 to 16 rows but the 16-row o projection (the 8B gate/up product at 8 rows:
 43.5 us, against 117.0 us on the split-K GEMM of wna16.py). At one row the CUDA-core GEMV
 (wna16_gemv.py) stays faster on every 8B shape (docs/benchmarks.md, session 8).

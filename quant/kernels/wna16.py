@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagebatch.kernels import num_sms
+from pagebatch.kernels import num_sms, tuned
 
-from pagebatch.kernels import tuned
+from . import CONFIG_DIR
 from .w4a16_mma import w4a16_mma
 from .wna16_gemv import gemv_supported, wna16_gemv
 
@@ -133,7 +133,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def shape_key(bits: int, n: int, k: int, group_size: int) -> str:
-    """The key of a layer shape in the tuned-config tables (core/kernels/tuned.py)."""
+    """The key of a layer shape in the tuned-config tables (quant/kernels/configs/, read by
+    core/kernels/tuned.py)."""
     return f"bits={bits},n={n},k={k},group={group_size}"
 
 
@@ -143,10 +144,10 @@ def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
     (wna16_gemv.py, CUDA cores), ``mma`` (w4a16_mma.py; only from a tuned table, 16-bit
     activations) or ``gemm`` (this file's tensor-core kernel), with their block sizes, split-K,
     warps and stages. A config measured on this GPU (scripts/bench_quant.py --tune and
-    --only tune-mma, core/kernels/tuned.py) wins unless ``tuned_table`` is False; otherwise
+    --only tune-mma; quant/kernels/configs/) wins unless ``tuned_table`` is False; otherwise
     heuristics."""
     if tuned_table and not has_g_idx and m <= DECODE_MAX_M:
-        cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m)
+        cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m, CONFIG_DIR)
         if cfg is not None:
             return cfg
     if m == 1 and not has_g_idx:

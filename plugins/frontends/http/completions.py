@@ -4,6 +4,7 @@ before anything is sent), then answer in one body or as server-sent events."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
@@ -12,10 +13,30 @@ from starlette.responses import JSONResponse, Response
 from pagebatch.request import CompletionOutput, RequestOutput
 
 from . import protocol as proto
+from .errors import as_api_error, error_response, new_id
 from .streams import EventStreamResponse, merge, sse, until_disconnected
 
 if TYPE_CHECKING:
     from .server import Server
+
+
+@dataclass
+class _RequestProgress:
+    """One engine request of an HTTP request, as its outputs arrive."""
+
+    last_output: float | None = None  # time.monotonic() of its last output with tokens
+    final: RequestOutput | None = None  # its finished output
+    prompt_tokens: int = 0  # from its outputs (0 until the first)
+
+
+@dataclass
+class _ChoiceProgress:
+    """What a stream has sent of one choice."""
+
+    chars: int = 0  # characters of its text
+    tokens: int = 0  # its token ids (log-prob rows)
+    text_offset: int = 0  # the text_offset of its next log-prob token (completions)
+    done: bool = False  # its finish_reason
 
 
 class _Tracker:
@@ -24,19 +45,20 @@ class _Tracker:
     def __init__(self, server: "Server", n_requests: int) -> None:
         self.m = server.metrics
         self.t0 = time.monotonic()
-        self.last: list[float | None] = [None] * n_requests
-        self.finals: list[RequestOutput | None] = [None] * n_requests
+        self.requests = [_RequestProgress() for _ in range(n_requests)]
 
     def seen(self, i: int, out: RequestOutput) -> None:
         now = time.monotonic()
+        req = self.requests[i]
+        req.prompt_tokens = len(out.prompt_token_ids)
         if any(c.token_ids for c in out.outputs):
-            if self.last[i] is None:
+            if req.last_output is None:
                 self.m.ttft.observe(now - self.t0)
             else:
-                self.m.itl.observe(now - self.last[i])
-            self.last[i] = now
+                self.m.itl.observe(now - req.last_output)
+            req.last_output = now
         if out.finished:
-            self.finals[i] = out
+            req.final = out
             reason = out.outputs[0].finish_reason or "abort"
             self.m.request_done(len(out.prompt_token_ids),
                                 sum(len(c.token_ids) for c in out.outputs), reason, now - self.t0)
@@ -44,8 +66,8 @@ class _Tracker:
     def close(self, prompt_lens: list[int]) -> None:
         """Requests that never finished (client gone, error): count them as aborted."""
         now = time.monotonic()
-        for i, f in enumerate(self.finals):
-            if f is None:
+        for i, req in enumerate(self.requests):
+            if req.final is None:
                 self.m.request_done(prompt_lens[i], 0, "abort", now - self.t0)
 
 
@@ -56,8 +78,6 @@ class Completions:
     # ---- /v1/completions ----------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        from .server import as_api_error, error_response, new_id
-
         s = self.s
         try:
             s.check_accepting()
@@ -93,8 +113,6 @@ class Completions:
                                  opts: dict[str, Any]) -> Response | list[RequestOutput]:
         """With ``stream: true`` the SSE response of ``events``; else the finished outputs, or
         an error response (the request failed) or a 499 (the client left first)."""
-        from .server import as_api_error, error_response
-
         if opts["stream"]:
             return EventStreamResponse(events)
         try:
@@ -112,10 +130,11 @@ class Completions:
         finally:
             await self.s.abort(rids)
             tracker.close([0] * len(streams))
-        for out in tracker.finals:
+        finals = [r.final for r in tracker.requests]
+        for out in finals:
             if out.error is not None:
                 raise RuntimeError(f"the request failed in the engine: {out.error}")
-        return tracker.finals  # type: ignore[return-value]
+        return finals  # type: ignore[return-value]
 
     def _echo_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -145,13 +164,8 @@ class Completions:
     async def _completion_stream(self, rid: str, created: int, rids: list[str],
                                  streams: list[AsyncIterator], opts: dict[str, Any],
                                  n: int) -> AsyncIterator[str]:
-        from .server import as_api_error
-
         s = self.s
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
-        offsets: dict[int, int] = {}  # choice index -> text_offset of its next logprob token
-        done: set[int] = set()  # choices whose finish_reason was sent
-        n_prompt: dict[int, int] = {}
+        choices: dict[int, _ChoiceProgress] = {}  # by choice index, from its first output
         n_gen = 0
         tracker = _Tracker(s, len(streams))
 
@@ -162,35 +176,36 @@ class Completions:
         try:
             async for i, out in merge(streams):
                 tracker.seen(i, out)
-                n_prompt[i] = len(out.prompt_token_ids)
                 if out.error is not None:
                     raise RuntimeError(f"the request failed in the engine: {out.error}")
                 for c in out.outputs:
                     idx = i * n + c.index
-                    if idx in done:
+                    ch = choices.get(idx)
+                    first = ch is None
+                    if ch is None:
+                        ch = choices[idx] = _ChoiceProgress()
+                    elif ch.done:
                         continue
-                    first = idx not in sent
-                    chars, toks = sent.get(idx, (0, 0))
-                    text = "" if opts["score_only"] else c.text[chars:]
+                    text = "" if opts["score_only"] else c.text[ch.chars:]
                     positions = ([] if opts["score_only"] or c.logprobs is None
-                                 else c.logprobs[toks:])
+                                 else c.logprobs[ch.tokens:])
                     prefix = ""
                     if first and opts["echo"]:
                         prefix = self._echo_text(out)
                         if out.prompt_logprobs is not None:
                             positions = list(out.prompt_logprobs) + list(positions)
-                    sent[idx] = (len(c.text), len(c.token_ids))
+                    ch.chars, ch.tokens = len(c.text), len(c.token_ids)
                     reason = c.finish_reason
                     if not (prefix or text or reason or positions):
                         continue
                     lps = None
                     if c.logprobs is not None or (first and out.prompt_logprobs is not None):
-                        start = offsets.get(idx, 0)  # offsets run on across chunks
+                        start = ch.text_offset  # offsets run on across chunks
                         lps = proto.completion_logprobs(positions, start, s.decode,
                                                         out.prompt_token_ids[0])
-                        offsets[idx] = start + sum(len(t) for t in lps["tokens"])
+                        ch.text_offset = start + sum(len(t) for t in lps["tokens"])
                     if reason is not None:
-                        done.add(idx)
+                        ch.done = True
                         n_gen += 0 if opts["score_only"] else len(c.token_ids)
                     yield chunk({"index": idx, "text": prefix + text, "logprobs": lps,
                                  "finish_reason": ("length" if opts["score_only"] and reason
@@ -199,19 +214,18 @@ class Completions:
             if opts["include_usage"]:
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": s.model_name, "choices": [],
-                           "usage": proto.usage(sum(n_prompt.values()), n_gen)})
+                           "usage": proto.usage(sum(r.prompt_tokens for r in tracker.requests),
+                                                n_gen)})
         except Exception as e:  # the stream is open: an error event, then [DONE]
             yield sse(as_api_error(e).body())
         finally:
             await s.abort(rids)
-            tracker.close([n_prompt.get(i, 0) for i in range(len(streams))])
+            tracker.close([r.prompt_tokens for r in tracker.requests])
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        from .server import as_api_error, error_response, new_id
-
         s = self.s
         try:
             s.check_accepting()
@@ -257,12 +271,9 @@ class Completions:
     async def _chat_stream(self, rid: str, created: int, rids: list[str],
                            streams: list[AsyncIterator], opts: dict[str, Any],
                            n: int) -> AsyncIterator[str]:
-        from .server import as_api_error
-
         s = self.s
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
-        done: set[int] = set()  # choices whose finish_reason was sent
-        n_prompt, n_gen = 0, 0
+        choices: dict[int, _ChoiceProgress] = {}  # by choice index, from its first output
+        n_gen = 0
         tracker = _Tracker(s, 1)
 
         def chunk(choice: dict[str, Any]) -> str:
@@ -275,22 +286,23 @@ class Completions:
                              "logprobs": None, "finish_reason": None})
             async for _, out in merge(streams):
                 tracker.seen(0, out)
-                n_prompt = len(out.prompt_token_ids)
                 if out.error is not None:
                     raise RuntimeError(f"the request failed in the engine: {out.error}")
                 for c in out.outputs:
-                    if c.index in done:
+                    ch = choices.get(c.index)
+                    if ch is None:
+                        ch = choices[c.index] = _ChoiceProgress()
+                    elif ch.done:
                         continue
-                    chars, toks = sent.get(c.index, (0, 0))
-                    text = c.text[chars:]
-                    positions = c.logprobs[toks:] if c.logprobs is not None else []
-                    sent[c.index] = (len(c.text), len(c.token_ids))
+                    text = c.text[ch.chars:]
+                    positions = c.logprobs[ch.tokens:] if c.logprobs is not None else []
+                    ch.chars, ch.tokens = len(c.text), len(c.token_ids)
                     if not (text or c.finish_reason or positions):
                         continue
                     lps = (proto.chat_logprobs(positions, opts["top_logprobs"], s.decode)
                            if c.logprobs is not None else None)
                     if c.finish_reason is not None:
-                        done.add(c.index)
+                        ch.done = True
                         n_gen += len(c.token_ids)
                     yield chunk({"index": c.index, "delta": {"content": text} if text else {},
                                  "logprobs": lps, "finish_reason": c.finish_reason,
@@ -298,10 +310,10 @@ class Completions:
             if opts["include_usage"]:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": s.model_name, "choices": [],
-                           "usage": proto.usage(n_prompt, n_gen)})
+                           "usage": proto.usage(tracker.requests[0].prompt_tokens, n_gen)})
         except Exception as e:
             yield sse(as_api_error(e).body())
         finally:
             await s.abort(rids)
-            tracker.close([n_prompt])
+            tracker.close([tracker.requests[0].prompt_tokens])
         yield "data: [DONE]\n\n"

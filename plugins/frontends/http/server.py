@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -30,11 +29,12 @@ from starlette.routing import Route
 
 import pagebatch
 from pagebatch import AsyncEngine, EngineConfig
-from pagebatch.errors import EngineDeadError, InvalidRequestError
+from pagebatch.errors import EngineDeadError
 from pagebatch.request import SamplingParams
 
 from . import protocol as proto
 from .completions import Completions
+from .errors import as_api_error, error_response
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,6 @@ class Settings:
         return s
 
 
-def error_response(e: proto.ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (an unknown path 404, a wrong method 405 with its Allow header) in
     the OpenAI error shape that every other answer has."""
@@ -75,19 +71,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     err = proto.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                          code=code)
     return error_response(err, exc.headers)
-
-
-def as_api_error(e: BaseException) -> proto.ApiError:
-    """Map an exception to its HTTP error: input errors 400, a dead engine 503, else 500."""
-    if isinstance(e, proto.ApiError):
-        return e
-    if isinstance(e, InvalidRequestError):
-        return proto.ApiError(400, str(e), param=getattr(e, "param", None),
-                              code=type(e).__name__)
-    if isinstance(e, EngineDeadError):
-        return proto.ApiError(503, str(e), type="service_unavailable", code="engine_dead")
-    logger.exception("request failed")
-    return proto.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error")
 
 
 class _ApiKeyMiddleware:
@@ -274,10 +257,6 @@ class Server:
             logger.warning("shutdown_timeout (%gs) passed: aborting %d running requests",
                            self.settings.shutdown_timeout, len(self.active))
             self._abort_task = asyncio.ensure_future(self.abort(list(self.active)))
-
-
-def new_id(kind: str) -> str:
-    return f"{kind}-{uuid.uuid4().hex}"
 
 
 def build_app(engine: AsyncEngine, config: EngineConfig,

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .config import EngineConfig
+from ..config import EngineConfig
 
 
 def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
@@ -37,8 +37,8 @@ def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    from .engine import LLMEngine
-    from .request import SamplingParams
+    from ..engine import LLMEngine
+    from ..request import SamplingParams
 
     engine = LLMEngine(config)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -62,7 +62,7 @@ def _run(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dic
 
 
 def run_prefix_bench(args: argparse.Namespace, config: EngineConfig) -> int:
-    from .model_loader import load_hf_config, resolve_model
+    from ..model_loader import load_hf_config, resolve_model
 
     vocab = int(load_hf_config(resolve_model(config.model, config.load_format).folder).vocab_size)
     rng = random.Random(config.seed)

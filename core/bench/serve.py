@@ -6,7 +6,7 @@ many random words with ``--prompt-kind text``), ``--output-len`` tokens each wit
 all streamed. Requests arrive as a Poisson process of ``--request-rate`` per second (``inf``:
 all at once), optionally capped at ``--max-concurrency`` in flight. Reports request and token
 throughput and TTFT / TPOT / ITL / end-to-end latency mean, median and p99 as a table, and as
-JSON with ``--output``. Needs only httpx (async).
+JSON with ``--output`` (serve_metrics.py). Needs only httpx (async).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
+
+from .serve_metrics import Result, print_table, summarize
 
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this "
          "have from or one had by word but not what all were we when your can said there use "
@@ -68,17 +69,6 @@ def make_prompts(args: argparse.Namespace) -> list[Any]:
             for _ in range(args.num_prompts)]
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-
-
 async def one_request(client: Any, url: str, body: dict[str, Any], input_len: int) -> Result:
     res = Result(prompt_tokens=input_len)
     start = time.perf_counter()
@@ -120,35 +110,6 @@ async def one_request(client: Any, url: str, body: dict[str, Any], input_len: in
     if not res.ok:
         res.error = "no output"
     return res
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    """mean, median and p99 in milliseconds (0 for none)."""
-    if not values:
-        return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
-    import numpy as np
-
-    a = np.asarray(values, dtype=float) * 1e3
-    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)),
-            "p99_ms": float(np.percentile(a, 99))}
-
-
-def summarize(results: list[Result], duration: float) -> dict[str, Any]:
-    done = [r for r in results if r.ok]
-    n_in = sum(r.prompt_tokens for r in done)
-    n_out = sum(r.output_tokens for r in done)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    return {
-        "completed": len(done), "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
-        "request_throughput": len(done) / duration if duration > 0 else 0.0,
-        "output_token_throughput": n_out / duration if duration > 0 else 0.0,
-        "total_token_throughput": (n_in + n_out) / duration if duration > 0 else 0.0,
-        "ttft": _stats([r.ttft for r in done]), "tpot": _stats(tpot),
-        "itl": _stats([x for r in done for x in r.itl]),
-        "e2el": _stats([r.latency for r in done]),
-    }
 
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,24 +160,6 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
                request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf",
                max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos)
     return out
-
-
-def print_table(r: dict[str, Any]) -> None:
-    print(f"\nserve: {r['num_prompts']} requests x {r['input_len']} in / {r['output_len']} out"
-          f" to {r['base_url']} (rate {r['request_rate']}, max concurrency "
-          f"{r['max_concurrency']})")
-    rows = [("completed / failed", f"{r['completed']} / {r['failed']}"),
-            ("duration s", f"{r['duration_s']:.2f}"),
-            ("request throughput req/s", f"{r['request_throughput']:.2f}"),
-            ("output token throughput tok/s", f"{r['output_token_throughput']:.1f}"),
-            ("total token throughput tok/s", f"{r['total_token_throughput']:.1f}")]
-    for w, k in (("mean", "mean_ms"), ("median", "median_ms"), ("p99", "p99_ms")):
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            rows.append((f"{w} {name.upper()} ms", f"{r[name][k]:.2f}"))
-    for k, v in rows:
-        print(f"{k:<32}{v:>14}")
-    for e in r["errors"]:
-        print(f"error: {e}")
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:

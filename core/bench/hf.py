@@ -1,14 +1,47 @@
-"""The transformers side of ``pagebatch bench --compare hf``, run as its own process so each
-engine has the device to itself. Reads a JSON job on stdin, prints one JSON line."""
+"""The compare adapter for Hugging Face transformers: ``pagebatch bench --compare hf``.
+
+`compare_hf` (in the bench process) runs `main` as its own process (``python -m
+pagebatch.bench.hf``) so that each engine has the device to itself: it reads a JSON job on stdin
+and prints one JSON line, the result in bench_pagebatch's keys (``engine: hf-generate``).
+Static batches only: every prompt of one length, every output of one length.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
+
+from ..config import EngineConfig
+
+
+def compare_hf(args: argparse.Namespace, config: EngineConfig, folder: Path,
+               prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any] | int:
+    """Run the workload (``prompts`` of token ids, ``out_lens`` tokens each) on transformers
+    ``generate`` over the model in ``folder``, on ``config``'s device and dtype. Returns its
+    result, or an exit status: 2 for a workload of mixed lengths, the process's own when it
+    failed (the tail of its stderr printed)."""
+    if len(set(out_lens)) > 1 or len({len(p) for p in prompts}) > 1:
+        print("--compare hf runs fixed-length workloads only (static batches)", file=sys.stderr)
+        return 2
+    job = {"folder": str(folder), "kind": args.bench_kind, "prompts": prompts,
+           "output_len": args.output_len, "num_iters": args.num_iters,
+           "batch_size": args.hf_batch_size or len(prompts), "device": config.device,
+           "dtype": config.dtype, "load_format": config.load_format}
+    proc = subprocess.run([sys.executable, "-m", "pagebatch.bench.hf"],
+                          input=json.dumps(job), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        return proc.returncode
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    """The adapter's process: the job from stdin, one JSON result line on stdout."""
     import torch
     from transformers import AutoModelForCausalLM
 
