@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .errors import EngineDeadError
-from .executor import StepHandle, build_executor
+from .executor import Executor, StepHandle, UniprocExecutor, async_scheduling
 from .kv_cache import KVCacheManager
-from .model_runner import RunnerOutput
+from .model_runner import ModelRunner, RunnerOutput
 from .model_setup import ModelSetup, resolve_model_setup
 from .registry import Registry, registry as default_registry
 from .sampling_state import SamplingState
@@ -93,6 +93,19 @@ class EngineCoreAbort:
 @dataclass
 class EngineCoreShutdown:
     """Stop the core's busy loop and free its resources (front half -> core process)."""
+
+
+def build_executor(config: EngineConfig, setup: ModelSetup, registry: Registry) -> Executor:
+    """`UniprocExecutor` for one rank; `MultiprocExecutor` when ``tensor_parallel_size`` x
+    ``pipeline_parallel_size`` > 1 (it starts the worker processes, or joins ranks started
+    with the torchrun environment; imported only then). Raises ConfigError and what loading
+    raises."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        return UniprocExecutor(ModelRunner(config, setup, registry),
+                               async_scheduling(config, setup))
+    from .distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, setup, registry)
 
 
 @dataclass

@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 from .config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from .model_setup import ModelSetup
-from .registry import Registry
 from .scheduler import SchedulerOutput
 
 
@@ -115,15 +114,3 @@ def async_scheduling(config: EngineConfig, setup: ModelSetup) -> bool:
     if config.async_scheduling is not None:
         return bool(config.async_scheduling)
     return setup.device_type == "cuda"
-
-
-def build_executor(config: EngineConfig, setup: ModelSetup, registry: Registry) -> Executor:
-    """`UniprocExecutor` for one rank; `MultiprocExecutor` when ``tensor_parallel_size`` x
-    ``pipeline_parallel_size`` > 1 (it starts the worker processes, or joins ranks started
-    with the torchrun environment). Raises ConfigError and what loading raises."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-        return UniprocExecutor(ModelRunner(config, setup, registry),
-                               async_scheduling(config, setup))
-    from .distributed.executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, setup, registry)
