@@ -45,7 +45,6 @@ class BusyLoopClient(ABC):
 
     def __init__(self) -> None:
         self._unfinished: set[str] = set()
-        # the core's state after the turn whose outputs `step` returned last (None before any)
         self._stats: EngineCoreStats | None = None
 
     def stats(self) -> EngineCoreStats | None:

@@ -61,11 +61,12 @@ class CausalLM(Protocol):
 
         input_ids: [T] token ids; positions: [T], each token's position in its sequence;
         both int32 in engine steps (views of the step's packed int32 input buffer,
-        core/input_batch.py) and int64 in ``ModelRunner.forward_scratch``; kv_caches: ``num_layers`` tensors, layer i's paged cache in
-        the attention backend's ``kv_cache_shape`` (the model writes the step's K/V into it and
-        attends over it, through `pagebatch.layers.attention.Attention`); attn_metadata: the
-        batch's `AttentionMetadata` (slot mapping [T], query start locations [B+1], sequence
-        lengths [B], block tables [B, W]).
+        core/input_batch.py), int64 in ``ModelRunner.forward_scratch``. kv_caches:
+        ``num_layers`` tensors, layer i's paged cache in the attention backend's
+        ``kv_cache_shape`` (the model writes the step's K/V into it and attends over it,
+        through `pagebatch.layers.attention.Attention`). attn_metadata: the batch's
+        `AttentionMetadata` (slot mapping [T], query start locations [B+1], sequence lengths
+        [B], block tables [B, W]).
 
         Returns the final-normed hidden states [T, hidden_size] in the model dtype; None on a
         pipeline stage before the last, which sends its output to the next stage instead
