@@ -82,7 +82,9 @@ class DecoderForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's
 
     def make_layer(self, hf_config: Any, ctx: ModelContext) -> nn.Module:
-        """One decoder layer (see the class docstring); called once per layer of the stage."""
+        """One decoder layer (see the class docstring); called once per layer of the stage,
+        from ``DecoderForCausalLM.__init__`` (so it may read class attributes, not ones a
+        subclass sets after ``super().__init__``)."""
         raise NotImplementedError(f"{type(self).__name__} must define make_layer")
 
     @classmethod
