@@ -130,7 +130,7 @@ class AsyncEngine:
     @property
     def core_stats(self) -> EngineCoreStats | None:
         """The core's latest `EngineCoreStats` (None before its first outputs)."""
-        return self.engine.core.stats
+        return self.engine.core.stats()
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the core is gone or the engine was shut down."""
@@ -149,8 +149,9 @@ class AsyncEngine:
                     with self._lock:
                         for out in self.engine.process_outputs(outputs):
                             self._deliver(out)
-                if core.stats is not reported:  # a new snapshot, with or without outputs
-                    reported = core.stats
+                stats = core.stats()
+                if stats is not reported:  # a new snapshot, with or without outputs
+                    reported = stats
                     self._report_stats(reported)
             except EngineDeadError as e:
                 self._fail_all(e)

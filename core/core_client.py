@@ -1,11 +1,11 @@
 """Clients of the engine core: the front half's handle on an `EngineCore` that runs on another
 thread of this process (`InprocClient`) or in a process of its own (`MPClient`).
 
-Both have the interface `LLMEngine` calls its ``core`` by (an `EngineCore` used directly has it
-too): ``add_request``, ``abort_requests``, ``step``, ``has_unfinished_requests``, ``shutdown``.
-Unlike an `EngineCore`, a client's ``abort_requests`` returns nothing: the core's answers (finish
-reason ``abort``) come out of a later ``step``. ``step`` may run on one thread while another
-calls ``add_request`` / ``abort_requests`` (that is how `AsyncEngine` uses a client).
+Both implement `EngineCoreClient` (core/core_protocol.py), the interface `LLMEngine` calls its
+``core`` by, as an `EngineCore` used directly does. Unlike an `EngineCore`, a client's
+``abort_requests`` returns []: the core's answers (finish reason ``abort``) come out of a later
+``step``. ``step`` may run on one thread while another calls ``add_request`` /
+``abort_requests`` (that is how `AsyncEngine` uses a client).
 
 When the core process dies, every call raises `EngineDeadError` within about `POLL_S` seconds
 (EOF on its pipe is seen at once), and the process is reaped.
@@ -25,6 +25,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .core_proc import CoreBusyLoop, run_engine_core
+from .core_protocol import EngineCoreClient
 from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
                           EngineCoreShutdown, EngineCoreStats)
 from .errors import EngineDeadError
@@ -35,14 +36,23 @@ POLL_S = 0.5  # longest wait on the core's pipe between liveness checks
 SHUTDOWN_TIMEOUT_S = 5.0  # graceful stop, then SIGKILL
 
 
-class EngineCoreClient(ABC):
-    """The front half's side of the engine-core boundary; requests and outputs are plain data."""
+__all__ = ["EngineCoreClient", "InprocClient", "MPClient", "client_factory"]
+
+
+class BusyLoopClient(ABC):
+    """An `EngineCoreClient` whose core runs a `CoreBusyLoop` (core/core_proc.py) and talks to
+    it in messages: subclasses send `EngineCoreRequest` / `EngineCoreAbort` and receive each
+    turn's outputs and `EngineCoreStats`."""
 
     def __init__(self) -> None:
         self._unfinished: set[str] = set()
-        # The core's state after the turn whose outputs `step` returned last (None before any);
-        # each snapshot's per-request times are new, so read it once per `step`.
-        self.stats: EngineCoreStats | None = None
+        self._stats: EngineCoreStats | None = None
+
+    def stats(self) -> EngineCoreStats | None:
+        """The core's state after the turn whose outputs `step` returned last (None before
+        any): the same object until the next turn; its per-request times are new in it, so
+        count each snapshot once."""
+        return self._stats
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -79,7 +89,7 @@ class EngineCoreClient(ABC):
         """Stop the core; later calls raise EngineDeadError. Idempotent."""
 
 
-class InprocClient(EngineCoreClient):
+class InprocClient(BusyLoopClient):
     """An `EngineCore` in this process, run by whichever thread calls `step` (one at a time);
     other threads' requests and aborts wait in the loop's inbox for that thread."""
 
@@ -99,7 +109,7 @@ class InprocClient(EngineCoreClient):
             raise EngineDeadError("the engine core was shut down")
         outputs = self._loop.run_once(timeout)
         if outputs:
-            self.stats = self.core.stats()
+            self._stats = self.core.stats()
         return outputs
 
     def shutdown(self) -> None:
@@ -110,7 +120,7 @@ class InprocClient(EngineCoreClient):
             self.core.shutdown()
 
 
-class MPClient(EngineCoreClient):
+class MPClient(BusyLoopClient):
     """An `EngineCore` in its own process (multiprocessing "spawn"), which loads the plugins
     itself (from entry points: plugins registered by hand in this process are not there).
 
@@ -194,7 +204,7 @@ class MPClient(EngineCoreClient):
                 raise self._died() from None
             if msg is not None:
                 if msg[0] == "outputs":
-                    self.stats = msg[2]
+                    self._stats = msg[2]
                     return msg[1]
                 _, exc, tb = msg  # "error": the core's loop failed and the process exits
                 raise self._died(f"{type(exc).__name__}: {exc}\n{tb}")

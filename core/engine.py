@@ -2,7 +2,8 @@
 queued), hands plain-data requests to the `EngineCore`, and turns new token ids into text.
 
 The core is an `EngineCore` in this process (``LLM``, tests) or a client of one in a thread or
-its own process (core/core_client.py); `AsyncEngine` (core/async_engine.py) drives an
+its own process (core/core_client.py), either behind the `EngineCoreClient` protocol
+(core/core_protocol.py); `AsyncEngine` (core/async_engine.py) drives an
 `LLMEngine` over such a client, so validation and output processing live here only."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 from typing import Any, Callable
 
 from .config import EngineConfig
+from .core_protocol import EngineCoreClient
 from .detokenizer import IncrementalDetokenizer
 from .engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from .model_setup import ModelSetup, resolve_model_setup
@@ -29,16 +31,15 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 # (config, registry, setup) -> an EngineCore or a client of one (core/core_client.py)
-CoreFactory = Callable[[EngineConfig, Registry, ModelSetup], Any]
+CoreFactory = Callable[[EngineConfig, Registry, ModelSetup], EngineCoreClient]
 
 
 class LLMEngine:
     """The front half over one engine core.
 
-    ``core(config, registry, setup)`` builds what it talks to: by default an `EngineCore` in
-    this process (tests reach into it as ``engine.core``); `AsyncEngine` passes a client
-    (core/core_client.py). Either has add_request, abort_requests, step,
-    has_unfinished_requests and shutdown.
+    ``core(config, registry, setup)`` builds what it talks to, an `EngineCoreClient`
+    (core/core_protocol.py): by default an `EngineCore` in this process (tests reach into it
+    as ``engine.core``); `AsyncEngine` passes a client (core/core_client.py).
     """
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None,
@@ -50,7 +51,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = setup.max_model_len
-        self.core = (core or EngineCore.from_config)(config, self.registry, setup)
+        self.core: EngineCoreClient = (core or EngineCore.from_config)(config, self.registry, setup)
         self.eos_token_ids = eos_token_ids(self.source.folder, self.hf_config, self.tokenizer)
         self.sampling_defaults = (generation_defaults(self.source.folder)
                                   if config.generation_config == "auto" else {})

@@ -208,7 +208,7 @@ class EngineCore:
         sched.rejected.clear()
         return out
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, timeout: float | None = None) -> list[EngineCoreOutput]:
         """Schedule a step and start it, then return the outputs of the oldest step in flight
         (vLLM v1's ``step_with_batch_queue``). With one step at a time (the CPU, or no async
         scheduling): schedule, execute, sample, update. With ``max_concurrent_batches`` > 1

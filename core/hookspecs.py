@@ -57,8 +57,9 @@ def register_models(register):
 
     The key is an entry of ``architectures`` in a Hugging Face config.json, e.g.
     ``"LlamaForCausalLM"``. ``cls(hf_config, ctx: pagebatch.layers.context.ModelContext)`` must
-    follow the model interface described in docs/plugins.md (``forward``, ``compute_logits``,
-    ``load_weights``).
+    implement ``pagebatch.model.CausalLM`` (``forward``, ``compute_logits``, ``load_weights``
+    and the KV cache geometry); ``pagebatch.layers.decoder.DecoderForCausalLM`` implements it
+    for a decoder layer of the plugin's own. See docs/plugins.md.
     """
 
 
@@ -66,8 +67,9 @@ def register_models(register):
 def register_frontends(register):
     """Register frontends: ``register(name, frontend)``.
 
-    ``frontend`` has ``add_cli_arguments(parser)`` (its own options on the ``pagebatch NAME``
-    subcommand) and ``run(config, args) -> int``. The HTTP server is one (``pagebatch serve``).
+    ``frontend`` implements ``pagebatch.frontend.Frontend``: ``add_cli_arguments(parser)`` (its
+    own options on the ``pagebatch NAME`` subcommand) and ``run(config, args) -> int``. The HTTP
+    server is one (``pagebatch serve``).
     """
 
 

@@ -25,6 +25,7 @@ from .input_batch import InputBatch
 from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
 from .layers.linear import LinearBase
+from .model import PipelineStageLM
 from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
                            select_quantization)
 from .model_setup import ModelSetup
@@ -84,9 +85,9 @@ class ModelRunner:
                            self.parallel, lm_head_quant(config, quant))
         model_cls = registry.model_class(architecture(hf_config))
         self.model = model_cls(hf_config, ctx)
-        # a pipeline stage whose model has forward_stage: the runner moves the hidden states
-        # between stages itself (around the CUDA graphs of decode steps)
-        self._stage_io = self.parallel.pp_size > 1 and hasattr(self.model, "forward_stage")
+        # a pipeline stage whose model is a PipelineStageLM (core/model.py): the runner moves
+        # the hidden states between stages itself (around the CUDA graphs of decode steps)
+        self._stage_io = self.parallel.pp_size > 1 and isinstance(self.model, PipelineStageLM)
         self.vocab_size = int(hf_config.vocab_size)
         self._load_weights(source)
         self.model.eval()

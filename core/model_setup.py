@@ -17,6 +17,7 @@ import torch
 
 from .config import EngineConfig, check_token_budget
 from .errors import ConfigError
+from .model import max_model_len_limit
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
 from .registry import Registry
 
@@ -93,8 +94,7 @@ def _cap_max_model_len(max_model_len: int, hf_config: Any, registry: Registry) -
     (e.g. Mistral's sliding window, which the attention backends do not implement):
     a larger max_model_len is lowered to it, with a warning."""
     arch = architecture(hf_config)
-    limit_fn = getattr(registry.model_class(arch), "max_model_len_limit", None)
-    limit = limit_fn(hf_config) if limit_fn is not None else None
+    limit = max_model_len_limit(registry.model_class(arch), hf_config)
     if limit is not None and limit < max_model_len:
         logger.warning("max_model_len lowered from %d to %d: %s runs this config exactly "
                        "only up to %d tokens (its max_model_len_limit, e.g. a sliding "

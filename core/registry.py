@@ -23,12 +23,16 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
 from . import hookspecs
 from .errors import DuplicatePluginError, PluginError
+
+if TYPE_CHECKING:
+    from .frontend import Frontend
+    from .model import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +210,12 @@ class Registry:
     def attention_backend(self, name: str) -> type:
         return self.get("attention_backend", name)
 
-    def model_class(self, architecture: str) -> type:
+    def model_class(self, architecture: str) -> type[CausalLM]:
+        """The model class of a Hugging Face architecture name (core/model.py)."""
         return self.get("model", architecture)
 
-    def frontend(self, name: str) -> Any:
+    def frontend(self, name: str) -> Frontend:
+        """The frontend named ``name`` (core/frontend.py)."""
         return self.get("frontend", name)
 
     def command(self, name: str) -> Any:
