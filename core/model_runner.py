@@ -334,7 +334,8 @@ class ModelRunner:
             k = inp.num_fills
             v["input_ids"].index_copy_(0, v["fill_dst"][:k].long(), self._last_sampled.index_select(
                 0, v["fill_src"][:k].long()).to(torch.int32))
-        if s is not None and (s["fresh_penalty_slots"].numel() or s["pmask_slots"].numel()):
+        if (s is not None and self.parallel.is_last_stage  # (where logits are sampled)
+                and (s["fresh_penalty_slots"].numel() or s["pmask_slots"].numel())):
             self.penalties.ensure(self.input_batch.sampling.num_penalty_slots)
             self.penalties.reset(s["fresh_penalty_slots"], s["pmask_slots"], s["pmask_ids"])
         graph = inp.layout.num_seqs if inp.padded else None

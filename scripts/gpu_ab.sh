@@ -5,12 +5,14 @@
 # and carried (carry=[".gpu/old"]):
 #   bash scripts/gpu_ab.sh [.gpu/old]
 # Each tree is installed (not editable) into its own folder and put on PYTHONPATH for its runs;
-# the runs alternate old, new per workload so that drift of the machine hits both. JSON into
-# $OUT (or /tmp/out); a table last.
+# the runs alternate per workload, in the order ORDER (default "old new"; "new old" gives the
+# first, cold-cache run of each workload to the new tree) so that drift of the machine hits
+# both. JSON into $OUT (or /tmp/out); a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:-.gpu/old}
 OUT=${OUT:-/tmp/out}
+ORDER=${ORDER:-old new}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_CACHE_DIR=/tmp/tc-ab
 python3 -m pip uninstall -y -q pagebatch >/dev/null 2>&1  # an editable install would be seen too
@@ -28,16 +30,16 @@ run() {  # tree, name, command...
     (cd "$dir" && PYTHONPATH=/tmp/pb_$tree timeout 300 python3 $B "$@" \
         --output "$OUT/$name-$tree.json") 2>&1 | grep -v "no tokenizer" | tail -6
 }
-for tree in old new; do
+for tree in $ORDER; do
     run $tree t1 throughput $C8 --max-num-batched-tokens 16384 --num-prompts 256 \
         --input-len 512 --output-len 128
 done
-for tree in old new; do run $tree t2 latency $C8 --input-len 128 --output-len 256; done
-for tree in old new; do
+for tree in $ORDER; do run $tree t2 latency $C8 --input-len 128 --output-len 256; done
+for tree in $ORDER; do
     run $tree t3 latency examples/configs/llama-3.2-1b --load-format dummy --max-model-len 4096 \
         --input-len 128 --output-len 256
 done
-for tree in old new; do
+for tree in $ORDER; do
     run $tree t4 throughput examples/configs/qwen3-0.6b --load-format dummy --max-model-len 4096 \
         --max-num-batched-tokens 16384 --preset nanovllm
 done

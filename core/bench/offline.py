@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ..config import EngineConfig
+from ..engine_core import EngineCore
 
 
 def weight_bytes(model) -> int:
@@ -75,8 +76,8 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     run(warm if kind == "throughput" else warm[:1])
     res: dict[str, Any] = {"engine": "pagebatch", "startup_s": round(startup, 2),
                            "warmup_s": round(time.perf_counter() - t0, 2)}
-    runner = getattr(engine.core, "runner", None)  # in this process (no client)
-    if runner is not None:
+    if isinstance(engine.core, EngineCore):  # in this process (no client): its runner
+        runner = engine.core.runner
         model = runner.model
         res["weights_gb"] = round(weight_bytes(model) / 1e9, 3)
         res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
