@@ -204,7 +204,7 @@ class InputBatch:
         qlens = np.empty(b, dtype=np.int64)
         starts = np.empty(b, dtype=np.int64)
         ids: list[int] = []
-        sample_rows = []
+        sample_rows, sample_ids = [], []
         for i, sr in enumerate(sched):
             slots[i] = self._row_of(sr)
             qlens[i] = len(sr.token_ids)
@@ -212,7 +212,7 @@ class InputBatch:
             ids.extend(sr.token_ids)
             if sr.sample:
                 sample_rows.append(i)
-        sample_ids = [sched[i].request_id for i in sample_rows]
+                sample_ids.append(sr.request_id)
         t = len(ids)
         qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
@@ -234,9 +234,9 @@ class InputBatch:
         inp = StepInputs(layout, graph_batch is not None, {}, sample_ids,
                          sample_positions.tolist(), int(qlens.max()), int(seq_lens.max()),
                          qsl.tolist(), seq_lens.tolist())
-        sections = self.sampling.sections(slots[sample_rows], sample_positions + 1,
-                                          sample_ids, self.row_req, inp.flags,
-                                          inp.logprob_widths)
+        sections = {} if self.sampling.idle else self.sampling.sections(
+            slots[sample_rows], sample_positions + 1, sample_ids, self.row_req, inp.flags,
+            inp.logprob_widths)
         if self.sampling.num_prompt_logprobs:
             inp.prompt_jobs = prompt_logprob_jobs(sched, [self.row_req[r] for r in slots],
                                                   inp.query_start_loc)

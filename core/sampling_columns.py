@@ -117,6 +117,13 @@ class SamplingColumns:
 
     # ---- one step -----------------------------------------------------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """No row needs more than argmax and nothing waits to be set on the device: a step
+        has no sampling section."""
+        return (not self._fresh_penalty and not self._new_prompt_masks
+                and not any(self._num_using.values()))
+
     def sections(self, rows: np.ndarray, positions: np.ndarray, sample_ids: list[str],
                  row_req: list[RunnerRequest | None], flags: SamplingFlags,
                  widths: list[tuple[str, int]]) -> dict[str, object]:
