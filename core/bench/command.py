@@ -3,8 +3,8 @@
 throughput: N prompts of random token ids (workload.py), EOS ignored, greedy; reports output
 tokens per second over the whole run. latency: one request at a time; reports decode tokens per
 second (output tokens after the first, over the time after the first) and TTFT. Both optionally
-side by side with another engine on the same workload (``--compare hf``: hf.py, in a separate
-process). prefix: prefix.py; serve: serve.py (drives a server, no engine keys).
+side by side with another engine on the same workload, in a separate process (``--compare hf``:
+hf.py; ``--compare vllm``: vllm.py). prefix: prefix.py; serve: serve.py (drives a server, no engine keys).
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import json
 from typing import Any
 
 from ..config import EngineConfig, parse_int
-from . import hf
+from ..request import SamplingParams
+from . import hf, vllm
 from .offline import bench_pagebatch
 from .prefix import add_prefix_bench_args, run_prefix_bench
 from .serve import add_serve_bench_parser
-from .workload import make_workload
+from .workload import bench_sampling, make_workload
 
 # --compare NAME -> the adapter: (args, config, model folder, prompts, output lengths) ->
 # its result dict, or an exit status when it could not run
-COMPARE = {"hf": hf.compare_hf}
+COMPARE = {"hf": hf.compare_hf, "vllm": vllm.compare_vllm}
 
 
 def _at_least(minimum: int):
@@ -58,8 +59,14 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
         p.add_argument("--preset", choices=["nanovllm"], default=None,
                        help="a named workload (overrides prompts and lengths)")
         p.add_argument("--num-iters", type=_at_least(1), default=1 if kind == "throughput" else 3)
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature (default 0: greedy); with top-p / top-k, "
+                       "each prompt seeded (seed + its index)")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0, help="0: off")
         p.add_argument("--compare", choices=list(COMPARE), default=None,
-                       help="also run transformers generate on the same workload")
+                       help="also run another engine on the same workload: hf "
+                       "(transformers generate), vllm (vLLM's offline LLM, when importable)")
         p.add_argument("--hf-batch-size", type=_at_least(1), default=None,
                        help="transformers static batch size (default: all prompts at once)")
         p.add_argument("--output", metavar="JSON", help="write results as JSON")
@@ -82,7 +89,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     source = resolve_model(config.model, config.load_format)
     vocab = int(load_hf_config(source.folder).vocab_size)
     prompts, out_lens = make_workload(args, vocab, config.seed)
-    results = [bench_pagebatch(config, args.bench_kind, prompts, out_lens, args.num_iters)]
+    sampling = bench_sampling(args)
+    if sampling is not None:  # checked before any engine starts
+        SamplingParams(**sampling).validate()
+    results = [bench_pagebatch(config, args.bench_kind, prompts, out_lens, args.num_iters,
+                               sampling)]
     results[0]["workload_output_tokens"] = sum(out_lens)
     if args.compare is not None:
         other = COMPARE[args.compare](args, config, source.folder, prompts, out_lens)
@@ -98,11 +109,14 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    sampling = bench_sampling(args)
+    how = "" if sampling is None else ", sampled: " + ", ".join(
+        f"{k} {v}" for k, v in sampling.items())
     if getattr(args, "preset", None):
-        print(f"\n{args.bench_kind}: the {args.preset} workload")
+        print(f"\n{args.bench_kind}: the {args.preset} workload{how}")
     else:
         print(f"\n{args.bench_kind}: {args.num_prompts} prompts x {args.input_len} in / "
-              f"{args.output_len} out")
+              f"{args.output_len} out{how}")
     if args.bench_kind == "throughput":
         print(f"{'engine':<14}{'output tok/s':>14}{'elapsed s':>12}")
         for r in results:

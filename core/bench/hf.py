@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from .workload import bench_sampling
 
 
 def compare_hf(args: argparse.Namespace, config: EngineConfig, folder: Path,
@@ -25,6 +26,10 @@ def compare_hf(args: argparse.Namespace, config: EngineConfig, folder: Path,
     ``generate`` over the model in ``folder``, on ``config``'s device and dtype. Returns its
     result, or an exit status: 2 for a workload of mixed lengths, the process's own when it
     failed (the tail of its stderr printed)."""
+    if bench_sampling(args) is not None:
+        print("--compare hf runs greedy workloads only (no --temperature / --top-p / --top-k)",
+              file=sys.stderr)
+        return 2
     if len(set(out_lens)) > 1 or len({len(p) for p in prompts}) > 1:
         print("--compare hf runs fixed-length workloads only (static batches)", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..engine_core import EngineCore
+from .workload import shift_ids
 
 
 def weight_bytes(model) -> int:
@@ -25,10 +26,13 @@ def weight_bytes(model) -> int:
 
 
 def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
-                    out_lens: list[int], num_iters: int) -> dict[str, Any]:
-    """Run ``prompts`` (token ids; ``out_lens[i]`` tokens each, greedy, EOS ignored) on a new
+                    out_lens: list[int], num_iters: int,
+                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``prompts`` (token ids; ``out_lens[i]`` tokens each, EOS ignored) on a new
     `LLMEngine`: a warm-up, then ``num_iters`` timed runs, each on prompts shifted to miss the
     prefix cache. ``kind``: ``"throughput"`` (all at once) or ``"latency"`` (one at a time).
+    ``sampling``: `SamplingParams` fields (temperature, top_p, top_k; None: greedy); prompt i
+    then gets seed ``config.seed + i``.
 
     Returns ``engine``, ``startup_s``, ``warmup_s`` (seconds), ``weights_gb`` and
     ``kv_cache_tokens`` (in-process core only); throughput adds ``elapsed_s`` (the fastest
@@ -40,9 +44,13 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     startup = time.perf_counter() - t0
-    params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in set(out_lens)}
-    sp_of = {i: params[n] for i, n in enumerate(out_lens)}
+    if sampling:  # a seed of its own per prompt: every run draws the same tokens
+        sp_of = {i: SamplingParams(**sampling, seed=config.seed + i, max_tokens=n,
+                                   ignore_eos=True) for i, n in enumerate(out_lens)}
+    else:
+        params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in set(out_lens)}
+        sp_of = {i: params[n] for i, n in enumerate(out_lens)}
 
     def run(batch: list[list[int]]) -> tuple[float, float, int]:
         ttft = None
@@ -65,7 +73,7 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     hi = max(max(p, default=0) for p in prompts) + 1
 
     def shifted(ps: list[list[int]], by: int) -> list[list[int]]:
-        return ps if by == 0 else [[(t + by) % hi for t in p] for p in ps]
+        return shift_ids(ps, by, hi)
 
     # warm-up (shift -1): throughput runs the whole workload once, latency one request. Triton
     # compiles (or loads from its cache) the kernel variants a workload meets on first use; a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -37,3 +38,18 @@ def make_workload(args: argparse.Namespace, vocab: int,
     prompts = [[rng.randint(100, hi) for _ in range(rng.randint(in_lo, args.input_len))]
                for _ in range(args.num_prompts)]
     return prompts, [rng.randint(out_lo, args.output_len) for _ in prompts]
+
+
+def shift_ids(prompts: list[list[int]], by: int, hi: int) -> list[list[int]]:
+    """``prompts`` with every id shifted by ``by`` modulo ``hi`` (the largest id + 1, so the ids
+    stay inside the vocabulary): each run of a benchmark gets its own shift, so that no run hits
+    the prefix cache that the ones before it left (every engine of a comparison the same way)."""
+    return prompts if by == 0 else [[(t + by) % hi for t in p] for p in prompts]
+
+
+def bench_sampling(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``--temperature`` / ``--top-p`` / ``--top-k`` of a bench run as `SamplingParams`
+    fields, or None for greedy (the default)."""
+    if args.temperature == 0.0 and args.top_p == 1.0 and args.top_k == 0:
+        return None
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
