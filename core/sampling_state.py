@@ -4,7 +4,7 @@ Built once, in `EngineCore.add_request`, from the `SamplingParams` and the seed 
 drew, and kept on the `Request`; it reaches the runner inside the scheduler output's new-request
 record (the first time the request is scheduled, or when it resumes after preemption). It is
 plain data (no torch): the runner writes it into its input batch's sampling columns
-(core/input_batch.py) once, when the request gets a row.
+(core/sampling_columns.py) once, when the request gets a row.
 """
 
 from __future__ import annotations
