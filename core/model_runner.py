@@ -361,14 +361,10 @@ class ModelRunner:
             n = len(sample_ids)
             h = hidden[:n] if graph is not None else hidden[v["logits_rows"][:n]]
             logits = self.model.compute_logits(h)
-            flags = inp.flags
-            if s is None:  # greedy, no log-probs, no logits processors
-                tokens_t = self.sampler(logits, sampling_batch(None, flags, None)).token_ids
-            else:
-                out = self.sampler(logits, sampling_batch(s, flags, self.penalties))
-                if flags.has_penalties:
-                    self.penalties.update(s["penalty_slots"], out.token_ids)
-                tokens_t, sample_lp = out.token_ids, out.logprobs
+            out = self.sampler(logits, sampling_batch(s, inp.flags, self.penalties))
+            if inp.flags.has_penalties:
+                self.penalties.update(s["penalty_slots"], out.token_ids)
+            tokens_t, sample_lp = out.token_ids, out.logprobs
             self._last_sampled = tokens_t
             self._last_rows = {rid: i for i, rid in enumerate(sample_ids)}
         h = LaunchedStep(sample_ids, tokens_t, sample_lp, prompt_jobs, prompt_lp)
