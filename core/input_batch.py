@@ -82,7 +82,6 @@ class InputBatch:
         self.max_num_seqs = max_num_seqs
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.vocab_size = vocab_size
         self.pin_memory = pin_memory
         n = max_num_seqs
         self.block_table = np.zeros((n, max_blocks), dtype=np.int32)
@@ -145,8 +144,8 @@ class InputBatch:
         rec = self.requests.get(rid)
         if rec is None:
             st = new.sampling or SamplingState(0.0, 0, 1.0, 0)
-            mt_ids = [t for t in st.min_tokens_ids
-                      if self.vocab_size is None or t < self.vocab_size]
+            vocab = self.sampling.vocab_size
+            mt_ids = [t for t in st.min_tokens_ids if vocab is None or t < vocab]
             rec = RunnerRequest(rid, st, list(new.prompt_token_ids) if st.needs_prompt
                                 else None, mt_ids)
             self.requests[rid] = rec
@@ -158,7 +157,6 @@ class InputBatch:
         row = rec.row = self._free.pop()
         self.row_req[row] = rec
         self.sampling.set_row(row, rec)
-        self.num_blocks[row] = 0
         return row
 
     def _set_blocks(self, row: int, request_id: str, block_ids: list[int], append: bool) -> None:

@@ -21,7 +21,7 @@ from .prefix import add_prefix_bench_args, run_prefix_bench
 from .serve import add_serve_bench_parser
 from .workload import bench_sampling, make_workload
 
-# --compare NAME -> the adapter: (args, config, model folder, prompts, output lengths) ->
+# --compare NAME -> the adapter: (args, config, ModelSetup, prompts, output lengths) ->
 # its result dict, or an exit status when it could not run
 COMPARE = {"hf": hf.compare_hf, "vllm": vllm.compare_vllm}
 
@@ -81,13 +81,14 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     """Run ``pagebatch bench throughput|latency|prefix``; returns the exit status."""
-    from ..model_loader import load_hf_config, resolve_model
+    from ..model_setup import resolve_model_setup
+    from ..registry import registry
 
     if args.bench_kind == "prefix":
         return run_prefix_bench(args, config)
 
-    source = resolve_model(config.model, config.load_format)
-    vocab = int(load_hf_config(source.folder).vocab_size)
+    setup = resolve_model_setup(config, registry())  # the model and limits, for every engine
+    vocab = int(setup.hf_config.vocab_size)
     prompts, out_lens = make_workload(args, vocab, config.seed)
     sampling = bench_sampling(args)
     if sampling is not None:  # checked before any engine starts
@@ -96,7 +97,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
                                sampling)]
     results[0]["workload_output_tokens"] = sum(out_lens)
     if args.compare is not None:
-        other = COMPARE[args.compare](args, config, source.folder, prompts, out_lens)
+        other = COMPARE[args.compare](args, config, setup, prompts, out_lens)
         if isinstance(other, int):
             return other
         results.append(other)

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from ..model_setup import ModelSetup
+from .child import run_adapter
 from .workload import bench_sampling
 
 
-def compare_hf(args: argparse.Namespace, config: EngineConfig, folder: Path,
+def compare_hf(args: argparse.Namespace, config: EngineConfig, setup: ModelSetup,
                prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any] | int:
     """Run the workload (``prompts`` of token ids, ``out_lens`` tokens each) on transformers
-    ``generate`` over the model in ``folder``, on ``config``'s device and dtype. Returns its
+    ``generate`` over the model of ``setup``, on ``config``'s device and dtype. Returns its
     result, or an exit status: 2 for a workload of mixed lengths, the process's own when it
     failed (the tail of its stderr printed)."""
     if bench_sampling(args) is not None:
@@ -33,16 +33,11 @@ def compare_hf(args: argparse.Namespace, config: EngineConfig, folder: Path,
     if len(set(out_lens)) > 1 or len({len(p) for p in prompts}) > 1:
         print("--compare hf runs fixed-length workloads only (static batches)", file=sys.stderr)
         return 2
-    job = {"folder": str(folder), "kind": args.bench_kind, "prompts": prompts,
+    job = {"folder": str(setup.source.folder), "kind": args.bench_kind, "prompts": prompts,
            "output_len": args.output_len, "num_iters": args.num_iters,
            "batch_size": args.hf_batch_size or len(prompts), "device": config.device,
            "dtype": config.dtype, "load_format": config.load_format}
-    proc = subprocess.run([sys.executable, "-m", "pagebatch.bench.hf"],
-                          input=json.dumps(job), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        print(proc.stderr[-4000:], file=sys.stderr)
-        return proc.returncode
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_adapter("pagebatch.bench.hf", job)
 
 
 def main() -> None:

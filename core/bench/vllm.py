@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from ..model_setup import ModelSetup
+from .child import run_adapter
 from .workload import bench_sampling, shift_ids
 
 
@@ -44,22 +44,18 @@ def engine_args(job: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def compare_vllm(args: argparse.Namespace, config: EngineConfig, folder: Path,
+def compare_vllm(args: argparse.Namespace, config: EngineConfig, setup: ModelSetup,
                  prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any] | int:
     """Run the workload (``prompts`` of token ids, ``out_lens`` tokens each) on vLLM's offline
-    ``LLM`` over the model in ``folder`` with ``config``'s limits. Returns its result, or an
+    ``LLM`` over the model of ``setup`` with the limits pagebatch ran with. Returns its result, or an
     exit status: 2 when vllm is not importable, the process's own when it failed (the tail of
     its stderr printed)."""
     if importlib.util.find_spec("vllm") is None:
         print("--compare vllm needs the vllm package importable (on the GPU machine: "
               "docs/gpu.md, ../shared/tools/vllm-gpu)", file=sys.stderr)
         return 2
-    from ..model_setup import resolve_model_setup
-    from ..registry import registry
-
-    setup = resolve_model_setup(config, registry())  # the limits pagebatch ran with
     dtype = str(setup.dtype).removeprefix("torch.")
-    job = {"folder": str(folder), "kind": args.bench_kind, "prompts": prompts,
+    job = {"folder": str(setup.source.folder), "kind": args.bench_kind, "prompts": prompts,
            "out_lens": out_lens, "num_iters": args.num_iters, "dtype": dtype,
            "load_format": config.load_format, "max_model_len": setup.max_model_len,
            "max_num_batched_tokens": setup.max_num_batched_tokens,
@@ -69,12 +65,7 @@ def compare_vllm(args: argparse.Namespace, config: EngineConfig, folder: Path,
            "tensor_parallel_size": config.tensor_parallel_size,
            "enforce_eager": bool(config.enforce_eager), "seed": config.seed,
            "sampling": bench_sampling(args)}
-    proc = subprocess.run([sys.executable, "-m", "pagebatch.bench.vllm"],
-                          input=json.dumps(job), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        print(proc.stderr[-4000:], file=sys.stderr)
-        return proc.returncode
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_adapter("pagebatch.bench.vllm", job)
 
 
 def main() -> None:
