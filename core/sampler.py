@@ -45,12 +45,19 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
     seeds, positions: [n] int64 on the target device.
     """
     col = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    z = (seeds[:, None] * _GOLDEN + positions[:, None]) * _M1 + col[None, :] * _GOLDEN
+    return counter_uniform_at(seeds, positions, col[None, :])
+
+
+def counter_uniform_at(seeds: torch.Tensor, positions: torch.Tensor,
+                       cols: torch.Tensor) -> torch.Tensor:
+    """`counter_uniform` at the vocabulary columns ``cols`` only: [n, w] int64 (or [1, w])
+    -> [n, w] fp32, equal to ``counter_uniform(...)[i, cols[i, j]]``."""
+    z = (seeds[:, None] * _GOLDEN + positions[:, None]) * _M1 + cols * _GOLDEN
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     z = z ^ _shr(z, 31)
-    bits = _shr(z, 40)  # top 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    bits = _shr(z, 41)  # top 23 bits: (bits + 0.5) / 2**23 is exact in fp32, so u < 1
+    return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -76,7 +83,9 @@ class SamplingBatch:
 
     temperature: [n] fp32 (below GREEDY_EPS = greedy); top_k: [n] int64 (0 = off); top_p: [n]
     fp32; seeds, positions: [n] int64 (position = index of the token being sampled).
-    all_greedy / any_top_k / any_top_p: host flags that pick the fast paths.
+    all_greedy / any_top_k / any_top_p: host flags that pick the fast paths. top_k_width: when
+    > 0, every row that draws keeps at most that many tokens (1 <= top_k <= top_k_width): the
+    draw runs over each row's top_k_width candidates instead of the whole vocabulary.
     min_p: [n] fp32, or None when no row asks. penalties: see `PenaltyBatch`, or None.
     bias_rows / bias_token_ids / bias_values: [m] int64, int64, fp32 (logit_bias entries), or
     None. masked_rows / masked_token_ids: [m] int64 entries set to -inf (EOS and stop token ids
@@ -102,6 +111,7 @@ class SamplingBatch:
     masked_token_ids: torch.Tensor | None = None
     logprob_rows: torch.Tensor | None = None
     num_logprobs: int = 0
+    top_k_width: int = 0
 
 
 @dataclass
@@ -182,6 +192,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     is_greedy = batch.temperature < GREEDY_EPS
     # fp32 and T >= GREEDY_EPS: |logits| / T stays far below fp32's range
     temp = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+    if batch.top_k_width:
+        sampled = sample_top_k_candidates(logits, temp, batch)
+        return torch.where(is_greedy, greedy, sampled)
     x = logits / temp[:, None]
     if batch.min_p is not None:
         x = apply_min_p(x, batch.min_p)
@@ -192,6 +205,83 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     gumbel = -torch.log(-torch.log(u))
     sampled = _argmax(x + gumbel)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def order_keys_torch(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sort keys of logits: x [n, V] fp32 at vocabulary ids ``ids`` (same shape, int64; default:
+    the column index), ids < 2**32 -> [n, V] int64 that order like (value descending, id
+    ascending), so that ``topk(keys, w)`` holds exactly the first w entries of a stable
+    descending sort (no tie left for topk to break). Key: ``(ordered(x) << 32) | (0xFFFFFFFF -
+    id)``; ``ordered`` maps fp32 bits to int32 in float order (a negative float's 31 low bits
+    flipped; -0.0 made +0.0 first, as the zeros tie)."""
+    b = torch.where(x == 0.0, 0.0, x.float()).view(torch.int32)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    if ids is None:
+        ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    return (b.to(torch.int64) << 32) | (0xFFFFFFFF - ids)
+
+
+TOP_K_CHUNK = 2048  # columns per row piece of the first top-k stage, for few rows
+TOP_K_MIN_ROWS = 32  # from this many rows, one topk over whole rows
+
+
+def top_k_ids(logits: torch.Tensor, w: int) -> torch.Tensor:
+    """Each row's first w vocabulary ids in (logit descending, id ascending) order: logits
+    [n, V] fp32 -> [n, w] int64 (w <= V), the first w of a stable descending sort.
+
+    On the CPU: ``topk`` of `order_keys_torch` (exact by construction). On CUDA: an fp32
+    ``topk`` picks the candidates (torch's CUDA top-k takes the lowest indices among values
+    tied at the k-th: tests/test_sampler_gpu.py holds it to that), then the keys of those
+    candidates order them; with fewer than TOP_K_MIN_ROWS rows the first stage runs on pieces
+    of TOP_K_CHUNK columns (one row then spreads over many thread blocks) and the keys pick
+    the row's w among the pieces' candidates. Measured on an H200 (docs/benchmarks.md,
+    session 11): 0.49 ms at 256 rows of 128256, where a stable sort of them takes ~6 ms."""
+    n, v = logits.shape
+    if not logits.is_cuda:
+        return _key_ids(order_keys_torch(logits).topk(w, dim=-1).values)
+    chunks = -(-v // TOP_K_CHUNK)
+    if n >= TOP_K_MIN_ROWS or chunks < 2 or w > TOP_K_CHUNK:
+        vals, ids = logits.topk(w, dim=-1, sorted=False)
+    else:
+        padded = torch.nn.functional.pad(logits, (0, chunks * TOP_K_CHUNK - v),
+                                         value=float("-inf"))
+        vals, ids = padded.view(n * chunks, TOP_K_CHUNK).topk(w, dim=-1, sorted=False)
+        base = torch.arange(0, chunks * TOP_K_CHUNK, TOP_K_CHUNK, device=logits.device)
+        ids = (ids.view(n, chunks, w) + base[:, None]).view(n, chunks * w)
+        vals = vals.view(n, chunks * w)  # padding: -inf at ids >= V, which rank last
+    return _key_ids(order_keys_torch(vals, ids).topk(w, dim=-1).values)
+
+
+def _key_ids(keys: torch.Tensor) -> torch.Tensor:
+    return 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def sample_top_k_candidates(logits: torch.Tensor, temp: torch.Tensor,
+                            batch: SamplingBatch) -> torch.Tensor:
+    """The draw of `sample` for batches whose drawing rows all have 1 <= top_k <=
+    ``batch.top_k_width`` = w: the same tokens as the full-vocabulary path without a sort of the
+    vocabulary. logits: [n, V] fp32; temp: [n] fp32 (1 for greedy rows) -> [n] int64.
+
+    The candidates are each row's first w tokens in (logit descending, id ascending) order
+    (`top_k_ids`); the row's top-k, min-p and top-p are applied to them in
+    that order, and the Gumbel noise is `counter_uniform` at their ids, so the draw equals
+    the full path's. A row's result does not depend on w, as long as the fp32 reductions over
+    the candidates (softmax, cumsum) do not (w is the batch's largest top_k rounded up to a
+    power of two of at least 64: rows with top_k <= 64 always see w = 64)."""
+    ids = top_k_ids(logits, batch.top_k_width)  # [n, w] int64
+    x = logits.gather(1, ids) / temp[:, None]  # descending per row
+    w = ids.shape[1]
+    keep = torch.arange(w, device=x.device)[None, :] < batch.top_k[:, None]
+    if batch.min_p is not None:  # x[:, 0] is the row's largest
+        keep &= x >= x[:, :1] + torch.log(batch.min_p)[:, None]
+    if batch.any_top_p:
+        probs = x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+        keep &= before < batch.top_p[:, None]
+    keep[:, 0] = True
+    u = counter_uniform_at(batch.seeds, batch.positions, ids)
+    scores = x.masked_fill(~keep, float("-inf")) - torch.log(-torch.log(u))
+    return ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

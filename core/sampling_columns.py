@@ -149,6 +149,7 @@ class SamplingColumns:
             vocab = self.vocab_size
             flags.any_top_k = bool(((top_k > 0) & (top_k < vocab if vocab else True)).any())
             flags.any_top_p = bool((top_p < 1.0).any())
+            flags.top_k_width = top_k_width(top_k[temps >= GREEDY_EPS], vocab)
             out.update(seeds=self.seed[rows], top_k=top_k, positions=positions,
                        temperature=temps, top_p=top_p)
             min_p = self.min_p[rows]
@@ -189,6 +190,23 @@ class SamplingColumns:
             out.update(bias_rows=b_rows, bias_ids=b_ids, bias_values=b_vals)
         if m_rows:
             out.update(mask_rows=m_rows, mask_ids=m_ids)
+
+
+MIN_CANDIDATES, MAX_CANDIDATES = 64, 1024
+
+
+def top_k_width(top_k: np.ndarray, vocab: int | None) -> int:
+    """Candidates per row for the sampler's top-k path (`SamplingBatch.top_k_width`), from the
+    top_k [m] int64 of the rows that draw: the largest rounded up to a power of two, at least
+    MIN_CANDIDATES (so that rows with small top_k always see the same width) and at most the
+    vocabulary; 0 (the full-vocabulary path) when a row has top-k off or above
+    MAX_CANDIDATES, or without a known vocabulary."""
+    if not vocab or not len(top_k) or top_k.min() <= 0:
+        return 0
+    k = int(top_k.max())
+    if k > MAX_CANDIDATES:
+        return 0
+    return min(max(MIN_CANDIDATES, 1 << (k - 1).bit_length()), vocab)
 
 
 def prompt_logprob_jobs(scheduled, recs: list[RunnerRequest],

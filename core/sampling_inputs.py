@@ -80,6 +80,7 @@ class SamplingFlags:
     has_penalties: bool = False
     any_repetition: bool = False
     num_logprobs: int = 0
+    top_k_width: int = 0
 
 
 def write_sections(host: dict[str, np.ndarray], values: dict[str, object]) -> None:
@@ -100,7 +101,8 @@ def sampling_batch(v: dict[str, torch.Tensor] | None, flags: SamplingFlags,
             return batch
     else:
         batch = SamplingBatch(v["temperature"], v["top_k"], v["top_p"], v["seeds"],
-                              v["positions"], False, flags.any_top_k, flags.any_top_p)
+                              v["positions"], False, flags.any_top_k, flags.any_top_p,
+                              top_k_width=flags.top_k_width)
     if flags.has_min_p:
         batch.min_p = v["min_p"]
     if flags.has_penalties:

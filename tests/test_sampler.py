@@ -3,14 +3,19 @@ determinism, and the empirical distribution of temperature sampling."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import numpy as np
 
 import pytest
 import torch
 
 from pagebatch.request import GREEDY_EPS, SamplingParams
 from pagebatch.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
-                               counter_uniform)
+                               counter_uniform, counter_uniform_at, order_keys_torch,
+                               top_k_ids)
+from pagebatch.sampling_columns import MAX_CANDIDATES, top_k_width
 from pagebatch.sampling_state import SamplingState
 
 from helpers_sampling import SamplingHarness
@@ -69,6 +74,72 @@ def test_top_k_and_top_p_keep_the_right_sets():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7 <= 0.8
     kept = apply_top_k_top_p(probs.log(), None, torch.tensor([0.1])).isfinite()
     assert kept.tolist() == [[True, False, False, False]]  # never empty
+
+
+def test_order_keys_rank_like_a_stable_descending_sort():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(-6, 7, (8, 300), generator=g).float() * 0.25)  # many ties, +-0.0
+    x[0, :4] = torch.tensor([-0.0, 0.0, float("-inf"), float("inf")])
+    x[1] = -x[1]
+    x[2] = float("-inf")
+    order = order_keys_torch(x).argsort(dim=-1, descending=True)
+    assert torch.equal(order, x.sort(dim=-1, descending=True, stable=True).indices)
+    assert (x == 0).sum() and (torch.signbit(x) & (x == 0)).sum()  # both zeros were there
+
+
+def test_top_k_width_rounds_up_and_falls_back():
+    assert top_k_width(np.array([5, 50]), 128256) == 64
+    assert top_k_width(np.array([1, 65]), 128256) == 128
+    assert top_k_width(np.array([MAX_CANDIDATES]), 128256) == MAX_CANDIDATES
+    assert top_k_width(np.array([MAX_CANDIDATES + 1]), 128256) == 0  # a full sort
+    assert top_k_width(np.array([50, 0]), 128256) == 0  # a row without top-k
+    assert top_k_width(np.array([6]), 50) == 50  # never wider than the vocabulary
+    assert top_k_width(np.array([6]), None) == 0 and top_k_width(np.array([], int), 99) == 0
+
+
+def _mixed_top_k_rows(n: int) -> list[SamplingParams]:
+    temps, ks, ps, mps = [0.5, 0.8, 1.3, 2.0], [1, 5, 50, 64, 7], [1.0, 0.95, 0.5], [0.0, 0.05]
+    return [SamplingParams(temperature=temps[i % 4], top_k=ks[i % 5], top_p=ps[i % 3],
+                           min_p=mps[i % 2]) if i % 6 else SamplingParams(temperature=0.0)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("vocab", [3000, 9000])  # one top-k stage; two, the last chunk padded
+def test_top_k_candidates_draw_the_full_vocabulary_paths_tokens(vocab):
+    """Rows that all have 1 <= top_k <= 64 (with top-p, min-p, greedy rows among them) draw
+    over 64 candidates; the tokens equal the full-vocabulary path's, at every width."""
+    n = 60
+    ss = _states(vocab, _mixed_top_k_rows(n))
+    ids = [f"r{i}" for i in range(n)]
+    for step in range(6):
+        logits = (_logits(n, vocab, seed=step, scale=2.0) * 4).round() / 4  # ties
+        batch = ss.batch(ids, [10 + step] * n)
+        assert batch.top_k_width == 64
+        fast = Sampler()(logits, batch).token_ids
+        full = Sampler()(logits, dataclasses.replace(batch, top_k_width=0)).token_ids
+        wide = Sampler()(logits, dataclasses.replace(batch, top_k_width=1024)).token_ids
+        assert torch.equal(fast, full) and torch.equal(fast, wide)
+        ss.update(fast)
+
+
+def test_top_k_ids_are_the_first_of_a_stable_sort():
+    x = (_logits(3, 10000, seed=4) * 2).round()  # ties everywhere
+    for w in (1, 64, 1024):
+        ref = x.sort(dim=-1, descending=True, stable=True).indices[:, :w]
+        assert torch.equal(top_k_ids(x, w), ref)
+
+
+def test_a_row_without_top_k_takes_the_full_path():
+    ss = _states(500, [SamplingParams(temperature=1.0, top_k=5),
+                       SamplingParams(temperature=1.0, top_p=0.9)])
+    assert ss.batch(["r0", "r1"], [3, 3]).top_k_width == 0
+
+
+def test_counter_uniform_at_equals_the_full_row():
+    seeds, pos = torch.tensor([3, 9]), torch.tensor([0, 5])
+    cols = torch.tensor([[7, 0, 999], [1, 2, 3]])
+    full = counter_uniform(seeds, pos, 1000)
+    assert torch.equal(counter_uniform_at(seeds, pos, cols), full.gather(1, cols))
 
 
 def test_min_p_against_the_probability_definition():
