@@ -8,7 +8,9 @@ table: 128-row x 128-key tiles with 8 warps where head_dim <= 128 in 16-bit dtyp
 FlashAttention-3 / Triton-tutorial shape for wgmma), 64 x 64 (fp32: 64 x 32) with 4 warps
 above; as many pipeline stages (at most 3) as the GPU's shared memory holds next to the Q tile;
 TMA descriptors on compute capability 9.0+ where the K/V rows allow them (16-byte aligned, a
-power-of-two head_dim). ``scripts/bench_kernels.py --only prefill --sweep`` times alternatives.
+power-of-two head_dim). Should a compiler need more shared memory than the rule reckons, the
+default launch retries with one stage fewer (once per shape: compiles are cached).
+``scripts/bench_kernels.py --only prefill --sweep`` times alternatives.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagebatch.attention import AttentionMetadata, BatchPart
 from pagebatch.kernels import pdl
 
 TMA_OFF, TMA_HOST, TMA_DEVICE = 0, 1, 2
+_fitting_stages: dict = {}  # (default config, device) -> stages that fit, where fewer did
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def choose_prefill_config(max_query_len: int, group: int, head_dim: int, dtype: 
     warps = 8 if block_m >= 128 else 4
     el = dtype.itemsize
     stage = 2 * tile_n * d_pad * el  # one K and one V tile
-    spare = _smem_bytes(_index(device)) - block_m * d_pad * el - 8192  # Q; layout scratch
+    spare = _smem_bytes(_index(device)) - block_m * d_pad * el - 2048  # Q; barriers
     stages = max(1, min(3, spare // stage))
     tma = TMA_HOST if _hopper(_index(device)) and d_pad == head_dim and not big else TMA_OFF
     return PrefillConfig(block_m, tile_n, warps, stages, tma)
@@ -104,6 +107,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
     new keys ``new_kv`` = (key, value) [num_tokens, num_kv_heads, head_dim] (every row of the
     step; as stored in the cache: rotated when ``rope`` is given, which rotates only q).
     Requests of the range with one new token are skipped unless ``part.pure``."""
+    from triton.runtime.errors import OutOfResources
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from . import prefill_kernel as pk
@@ -114,6 +118,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
     group = hq // hkv
     cfg = config or choose_prefill_config(part.max_query_len, group, d, query.dtype,
                                           query.device)
+    stages = _fitting_stages.get((cfg, query.device), cfg.num_stages)
     if key.stride(2) != 1 or key.stride(1) != d:
         key = key.contiguous()
     if value.stride(2) != 1 or value.stride(1) != d:
@@ -136,15 +141,25 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
     num_q_blocks = (part.tok_end - part.tok_begin) // block_q + (b - a)
     tables = metadata.block_tables[a:b]
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    pk.prefill_attention_kernel[(num_q_blocks * hkv,)](
+    args = (
         out, query, k_src, v_src, kv_cache[0], kv_cache[1], tables, metadata.seq_lens[a:b],
         metadata.query_start_loc[a:b + 1],
         *(rope if rope is not None else (metadata.seq_lens, query)),
         b - a, num_q_blocks, part.tok_begin, t, scale,
         query.stride(0), query.stride(1), k2.stride(0), v2.stride(0), out.stride(0),
-        out.stride(1), tables.stride(0),
+        out.stride(1), tables.stride(0))
+    consts = dict(
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, TMA=tma,
         WARP_SPECIALIZE=ws, DOT_PRECISION=precision, SKIP_DECODES=not part.pure,
-        ROPE=rope is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_options(query.device))
+        ROPE=rope is not None, num_warps=cfg.num_warps, **pdl.launch_options(query.device))
+    while True:
+        try:
+            pk.prefill_attention_kernel[(num_q_blocks * hkv,)](*args, **consts,
+                                                               num_stages=stages)
+            return
+        except OutOfResources:
+            if config is not None or stages == 1:
+                raise
+            stages -= 1
+            _fitting_stages[(cfg, query.device)] = stages

@@ -186,7 +186,8 @@ def paged_attention_kernel(
 
     NUM_SPLITS == 1 writes out [num_tokens, num_heads, head_dim]; otherwise part_acc
     [n, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
-    [n, num_heads, NUM_SPLITS, 2] fp32 (n: the launch's tokens, token tok at row tok - tok0) (running max in log2 units, sum of exps), which
+    [n, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps; n: the
+    launch's tokens, token tok at row tok - tok0), which
     ``reduce_splits_kernel`` merges into out; with ``FUSED_REDUCE`` the last of a (query block,
     kv head)'s NUM_SPLITS programs to finish merges them itself (an atomic counter per pair in
     ``cnt_ptr`` [num_q_blocks * NUM_KV_HEADS] int32, zero before and left zero after; the
