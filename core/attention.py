@@ -13,6 +13,7 @@ rounded to e4m3 (nearest even) and reads back as ``float(entry) * scale``.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -62,6 +63,46 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @functools.cached_property
+    def parts(self) -> tuple[BatchPart | None, BatchPart | None]:
+        """(decodes, prefills): the requests with one new token and those with more, each as
+        the smallest `BatchPart` holding them (None: no such request), worked out on the host
+        from ``query_start_loc_cpu`` once per step (the metadata is built once per step) so
+        that a backend can launch the two kinds with their own tiles. Requests with no new
+        token belong to neither."""
+        qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        n = len(lens)
+        if self.max_query_len <= 1:  # decode-only (CUDA graphs): no per-request loop
+            return BatchPart(0, n, 0, qsl[n], 1, self.max_seq_len, True), None
+        kinds = [min(qsl[i + 1] - qsl[i], 2) for i in range(n)]  # 0 none, 1 decode, 2 prefill
+        return BatchPart.of(kinds, 1, qsl, lens), BatchPart.of(kinds, 2, qsl, lens)
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """Requests ``seq_begin:seq_end`` of a step's batch, whose new tokens are rows
+    ``tok_begin:tok_end``; ``pure``: every request in the range is of the part's kind (else a
+    launch over the range skips the others); max_query_len / max_seq_len: over the part's
+    requests."""
+
+    seq_begin: int
+    seq_end: int
+    tok_begin: int
+    tok_end: int
+    max_query_len: int
+    max_seq_len: int
+    pure: bool
+
+    @classmethod
+    def of(cls, kinds: list[int], kind: int, qsl: list[int],
+           lens: list[int]) -> BatchPart | None:
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        if not idx:
+            return None
+        a, b = idx[0], idx[-1] + 1
+        return cls(a, b, qsl[a], qsl[b], max(qsl[i + 1] - qsl[i] for i in idx),
+                   max(lens[i] for i in idx), len(idx) == b - a)
+
 
 class AttentionBackend(ABC):
     """Reads and writes the paged KV cache. Plugins implement this.
@@ -86,6 +127,11 @@ class AttentionBackend(ABC):
     # cos_sin [max_position, head_dim] fp32: cos then sin halves). The attention layer then
     # skips its own rotary launch; without it the layer rotates q and k first
     supports_fused_rope: bool = False
+    # True when `forward` takes ``new_kv=(key, value)``: the tensors [num_tokens, num_kv_heads,
+    # head_dim] that the layer has just passed to `write_kv` (as that call left them), so that a
+    # prefill's keys of this same step can be read contiguously instead of through the block
+    # tables. Passed only to backends that set it
+    accepts_new_kv: bool = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -7,12 +7,17 @@ keeps every number.
            batch 64 x 2048 context, and long contexts at small batch (split-KV vs none);
            achieved bandwidth = K+V bytes read / time, against the measured copy ceiling
   prefill  causal prefill of 4096 tokens (same heads), TFLOP/s counting the causal half only:
-           4 * heads * head_dim * T(T+1)/2; torch SDPA (flash, dense) alongside
+           4 * heads * head_dim * T(T+1)/2, and a 512-token chunk after 3584 cached: the
+           prefill kernel (in-chunk keys from the step's new K/V) and the paged kernel; torch
+           SDPA (flash, dense) alongside; a mixed step (63 decodes + a 512 chunk) split into
+           a decode launch and a prefill launch, against one launch and 64 decodes alone
   fused    RMSNorm+residual, SiLU-and-mul, rotary: Triton kernel vs torch eager vs torch.compile
 
 ``--sweep`` also times alternative tile configurations (to choose the defaults in
-plugins/attention/triton_backend.py). Run on the GPU machine through scripts/gpu-run
-(docs/gpu.md). Times are medians of triton.testing.do_bench (L2 flushed between runs).
+plugins/attention/triton_backend.py and prefill.py; for prefill: tiles, warps, stages, TMA
+off / host / device descriptors, warp specialization on / off). Run on the GPU machine
+through scripts/gpu-run (docs/gpu.md). Times are medians of triton.testing.do_bench (L2
+flushed between runs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from pagebatch.attention import AttentionMetadata
+from pagebatch.plugins.attention import prefill as pb
 from pagebatch.plugins.attention import triton_backend as tb
 from pagebatch.plugins.attention.torch_ref import TorchRefBackend
 
@@ -150,48 +156,122 @@ def decode(copy_bw: float, sweep: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def new_kv(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new K/V [num_tokens, HKV, D] (contiguous, as the model hands them to the
+    backend) gathered from the cache positions the batch's new tokens occupy."""
+    bs = cache.shape[2]
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    slots = []
+    for i, n in enumerate(lens):
+        pos = torch.arange(n - (qsl[i + 1] - qsl[i]), n, device=DEV)
+        slots.append(meta.block_tables[i].long()[pos // bs] * bs + pos % bs)
+    s = torch.cat(slots)
+    return cache[0].flatten(0, 1)[s].contiguous(), cache[1].flatten(0, 1)[s].contiguous()
+
+
+def prefill_sweep_configs() -> list[tuple[str, pb.PrefillConfig]]:
+    """Alternatives to the prefill kernel's default: TMA off / host / device descriptors, warp
+    specialization on / off, tile sizes, warps, stages (one compile each, ~2-4 s)."""
+    cfgs = [(128, 128, 8, 3, t, ws) for t in (pb.TMA_OFF, pb.TMA_HOST, pb.TMA_DEVICE)
+            for ws in (False, True)]
+    cfgs += [(128, 128, 8, 2, pb.TMA_HOST, False), (128, 128, 8, 2, pb.TMA_HOST, True),
+             (128, 64, 8, 3, pb.TMA_HOST, False), (128, 64, 8, 4, pb.TMA_HOST, False),
+             (128, 64, 8, 3, pb.TMA_HOST, True), (128, 64, 4, 3, pb.TMA_HOST, False),
+             (128, 128, 4, 2, pb.TMA_HOST, False), (64, 64, 4, 3, pb.TMA_HOST, False),
+             (64, 128, 4, 3, pb.TMA_HOST, False), (128, 128, 8, 3, pb.TMA_DEVICE, True)]
+    out, seen = [], set()
+    for c in cfgs:
+        if c not in seen:
+            seen.add(c)
+            out.append((f"m{c[0]} n{c[1]} w{c[2]} s{c[3]} tma{c[4]} ws{int(c[5])}",
+                        pb.PrefillConfig(*c)))
+    return out
+
+
+def _tiles(cfg) -> str:
+    if isinstance(cfg, pb.PrefillConfig):
+        return (f"{cfg.block_m}/{cfg.tile_n}/{cfg.num_warps}/{cfg.num_stages}/tma{cfg.tma}/"
+                f"ws{int(cfg.warp_specialize)}")
+    return f"{cfg.block_m}/{cfg.tile_n}/{cfg.num_warps}/{cfg.num_stages}/x{cfg.num_splits}"
+
+
+def _time_checked(group: str, name: str, fn, ref: torch.Tensor, **figures_per_ms) -> None:
+    """Check fn() against ref, then time it; a config that fails to compile or run (shared
+    memory, an unsupported feature) is reported and skipped."""
+    try:
+        check(fn(), ref, name)
+        ms = bench(fn, 10, 100) if "sweep" in name else bench(fn)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - a sweep config may not compile here
+        print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    row(group, name, ms, **{k: f(ms) for k, f in figures_per_ms.items()})
+
+
 def prefill(sweep: bool) -> None:
-    scale = D ** -0.5
+    """Causal prefill 4096, a 512 chunk after 3584 cached, and a mixed step: the prefill kernel
+    (default, and the sweep), the paged kernel as before (one launch, its own tiles), torch
+    SDPA; every output checked against torch_ref."""
     t = 4096
-    flops = 4 * HQ * D * t * (t + 1) / 2
-    q, cache, meta = paged_batch([t], [t], 16)
-    default = tb.choose_config(t, 1, t, t, HKV, HQ // HKV, D, q.dtype, DEV)
-    check(tb.paged_attention(q, cache, meta, scale),
-          TorchRefBackend().forward(q, cache, meta, scale), "prefill 4096")
-    configs = [("default", default)]
+    prefill_case("T4096 causal", [t], [t], 4 * HQ * D * t * (t + 1) / 2, sweep)
+    sdpa(t)
+    prefill_case("chunk 512 after 3584 cached", [512], [4096],
+                 4 * HQ * D * sum(3584 + i + 1 for i in range(512)), sweep)
+    mixed()
+
+
+def prefill_case(label: str, qlens: list[int], lens: list[int], flops: float,
+                 sweep: bool) -> None:
+    scale = D ** -0.5
+    q, cache, meta = paged_batch(qlens, lens, 16)
+    kv = new_kv(cache, meta)
+    ref = TorchRefBackend().forward(q, cache, meta, scale)
+    tf = {"TFLOPs": lambda ms: flops / ms / 1e9}
+    dflt = pb.choose_prefill_config(max(qlens), HQ // HKV, D, q.dtype, DEV)
+    _time_checked("prefill", f"{label} prefill kernel default ({_tiles(dflt)})",
+                  lambda: tb.paged_attention(q, cache, meta, scale, new_kv=kv), ref, **tf)
+    old = tb.choose_config(sum(qlens), 1, max(qlens), max(lens), HKV, HQ // HKV, D, q.dtype,
+                           DEV)
+    _time_checked("prefill", f"{label} paged kernel ({_tiles(old)})",
+                  lambda: tb.paged_attention(q, cache, meta, scale, old), ref, **tf)
     if sweep:
-        for bm, tn, w, s in [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
-                             (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-                             (64, 128, 4, 3), (128, 64, 4, 3), (256, 64, 8, 3)]:
-            configs.append((f"m{bm} n{tn} w{w} s{s}", tb.LaunchConfig(bm, tn, w, s)))
-    for name, cfg in configs:
-        try:
-            ms = bench(lambda: tb.paged_attention(q, cache, meta, scale, cfg))
-        except Exception as e:
-            print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
-            continue
-        row("prefill", f"T{t} causal {name} ({cfg.block_m}/{cfg.tile_n}/{cfg.num_warps}/"
-            f"{cfg.num_stages})", ms, TFLOPs=flops / ms / 1e9)
-    # dense reference: torch SDPA (FlashAttention backend) on contiguous [1, H, T, D]
-    k = cache[0].flatten(0, 1)[:t].transpose(0, 1)[None].repeat_interleave(HQ // HKV, 1)
-    v = cache[1].flatten(0, 1)[:t].transpose(0, 1)[None].repeat_interleave(HQ // HKV, 1)
-    qd = q.transpose(0, 1)[None].contiguous()
-    k, v = k.contiguous(), v.contiguous()
-    ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, k, v,
+        for name, cfg in prefill_sweep_configs():
+            _time_checked("prefill", f"{label} sweep {name}",
+                          lambda cfg=cfg: tb.paged_attention(q, cache, meta, scale, new_kv=kv,
+                                                             prefill_config=cfg), ref, **tf)
+
+
+def sdpa(t: int) -> None:
+    """The dense reference: torch SDPA (FlashAttention backend) on contiguous [1, H, T, D]."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn((1, HQ, t, D), generator=g, device=DEV, dtype=torch.bfloat16)
+               for _ in range(3))
+    ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                         is_causal=True))
-    row("prefill", f"T{t} causal torch SDPA (dense, not paged)", ms, TFLOPs=flops / ms / 1e9)
-    # a mixed step: 63 decodes at 2048 context plus one 512-token chunk after 1536 cached
-    q3, cache3, meta3 = paged_batch([1] * 63 + [512], [2048] * 64, 16)
-    check(tb.paged_attention(q3, cache3, meta3, scale),
-          TorchRefBackend().forward(q3, cache3, meta3, scale), "mixed 63 decodes + 512 chunk")
-    ms = bench(lambda: tb.paged_attention(q3, cache3, meta3, scale))
-    row("mixed", "63 decodes ctx2048 + chunk 512 after 1536", ms,
-        TBps=2 * 64 * 2048 * HKV * D * 2 / ms / 1e9)
-    # prefill chunk over a cached prefix: 512 new tokens after 3584 cached
-    q2, cache2, meta2 = paged_batch([512], [4096], 16)
-    fl2 = 4 * HQ * D * sum(3584 + i + 1 for i in range(512))
-    ms = bench(lambda: tb.paged_attention(q2, cache2, meta2, scale))
-    row("prefill", "chunk 512 after 3584 cached", ms, TFLOPs=fl2 / ms / 1e9)
+    row("prefill", f"T{t} causal torch SDPA (dense, not paged)", ms,
+        TFLOPs=4 * HQ * D * t * (t + 1) / 2 / ms / 1e9)
+
+
+def mixed() -> None:
+    """A mixed step: 63 decodes at 2048 context plus one 512-token chunk after 1536 cached,
+    split (the default) and in one launch as before; 64 decodes alone for comparison."""
+    scale = D ** -0.5
+    q, cache, meta = paged_batch([1] * 63 + [512], [2048] * 64, 16)
+    kv = new_kv(cache, meta)
+    ref = TorchRefBackend().forward(q, cache, meta, scale)
+    bw = {"TBps": lambda ms: 2 * 64 * 2048 * HKV * D * 2 / ms / 1e9}
+    _time_checked("mixed", "63 decodes ctx2048 + chunk 512 after 1536: split, prefill kernel",
+                  lambda: tb.paged_attention(q, cache, meta, scale, new_kv=kv), ref, **bw)
+    _time_checked("mixed", "same, split, paged kernel for the chunk",
+                  lambda: tb.paged_attention(q, cache, meta, scale), ref, **bw)
+    one = tb.choose_config(575, 64, 512, 2048, HKV, HQ // HKV, D, q.dtype, DEV)
+    _time_checked("mixed", f"same, one launch as before ({_tiles(one)})",
+                  lambda: tb.paged_attention(q, cache, meta, scale, one), ref, **bw)
+    q4, cache4, meta4 = paged_batch([1] * 64, [2048] * 64, 16)
+    _time_checked("mixed", "64 decodes ctx2048 alone",
+                  lambda: tb.paged_attention(q4, cache4, meta4, scale),
+                  TorchRefBackend().forward(q4, cache4, meta4, scale), **bw)
 
 
 def fused() -> None:

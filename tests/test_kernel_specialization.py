@@ -10,11 +10,14 @@ import pytest
 
 def _kernels():
     from pagebatch.kernels import gemv
+    from pagebatch.plugins.attention import prefill_kernel
     from pagebatch.plugins.attention import triton_kernels as attn
     from pagebatch.quant.kernels import int8_gemm, wna16, wna16_gemv
 
     return [
-        (attn.paged_attention_kernel, {"num_seqs", "num_q_blocks", "stride_bt"}),
+        (attn.paged_attention_kernel, {"num_seqs", "num_q_blocks", "tok0", "stride_bt"}),
+        (prefill_kernel.prefill_attention_kernel,
+         {"num_seqs", "num_q_blocks", "tok0", "num_tokens", "stride_bt"}),
         (gemv._gemv_kernel, {"M"}),
         (int8_gemm._int8_gemm_kernel, {"M"}),
         (wna16._wna16_gemm_kernel, {"M"}),
@@ -22,7 +25,7 @@ def _kernels():
     ]
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_step_varying_counts_are_not_specialized(index):
     kernel, names = _kernels()[index]
     flagged = {p.name for p in kernel.params if p.do_not_specialize}

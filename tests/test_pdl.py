@@ -18,6 +18,7 @@ P16, F32, I32, I64 = "*fp16", "*fp32", "*i32", "*i64"
 
 def _cases():
     from pagebatch.kernels import activation, allreduce, gemv, norm, rotary
+    from pagebatch.plugins.attention import prefill_kernel
     from pagebatch.plugins.attention import triton_kernels as attn
     from pagebatch.quant.kernels import wna16_gemv
 
@@ -44,6 +45,15 @@ def _cases():
             dict(NUM_KV_HEADS=8, G=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16,
                  BLOCK_Q=4, TILE_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FUSED_REDUCE=True,
                  ROPE=True),
+            False),
+        "prefill_attention": (
+            prefill_kernel.prefill_attention_kernel,
+            dict(out_ptr=P16, q_ptr=P16, k_src=P16, v_src=P16, k_cache_ptr=P16, v_cache_ptr=P16,
+                 block_tables_ptr=I32, seq_lens_ptr=I32, query_start_loc_ptr=I32, pos_ptr=I64,
+                 cos_sin_ptr=F32), {"scale"},
+            dict(NUM_KV_HEADS=8, G=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=64,
+                 BLOCK_Q=16, TILE_N=64, TMA=0, WARP_SPECIALIZE=False, DOT_PRECISION="tf32",
+                 SKIP_DECODES=True, ROPE=True),
             False),
         "reduce_splits": (attn.reduce_splits_kernel, dict(out_ptr=P16, part_acc_ptr=F32,
                                                           part_ml_ptr=F32), set(),

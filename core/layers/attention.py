@@ -43,5 +43,7 @@ class Attention(nn.Module):
             else:
                 q, k = rotary(positions, q, k)
         self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, **kw)
+        if self.backend.accepts_new_kv:
+            kw["new_kv"] = (k, v)
         out = self.backend.forward(q, kv_cache, metadata, self.scale, **kw)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
+from pagebatch.attention import (FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend,
+                                 AttentionMetadata, BatchPart)
 from pagebatch.hookspecs import hookimpl
 from pagebatch.kernels import num_sms, pdl
+
+from .prefill import PrefillConfig, prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -102,93 +105,138 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+             store_rotated: bool = False) -> None:
     """key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (negative: skip the token). An
     fp8 cache stores ``x / scale`` clamped to +-448 (scales ignored for other caches).
     ``rope``: (positions [num_tokens] int64, cos_sin [max_position, head_dim] fp32): key is
-    rotated (RoPE, rotate-half) before it is stored."""
+    rotated (RoPE, rotate-half) before it is stored; with ``store_rotated`` the rotated key is
+    also written back into ``key`` (in place; skipped tokens stay as they were), so that the
+    prefill path can read this step's keys from it."""
     from . import triton_kernels as tk
 
     t, hkv, d = key.shape
     if t == 0:
         return
+    given = key
     if key.stride(2) != 1 or key.stride(1) != d:
         key = key.contiguous()
     if value.stride(2) != 1 or value.stride(1) != d:
         value = value.contiguous()
     row = hkv * d
-    block = min(_next_pow2(row), 2048)
+    store = store_rotated and rope is not None
+    block = _next_pow2(row) if store else min(_next_pow2(row), 2048)  # store: one program a row
     fp8 = kv_cache.dtype == FP8_KV_DTYPE
     pos, cos_sin = rope if rope is not None else (slot_mapping, key)
     tk.write_kv_kernel[(t, -(-row // block))](
         key, value, kv_cache[0], kv_cache[1], slot_mapping, pos, cos_sin, key.stride(0),
         value.stride(0), float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
         ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, ROPE=rope is not None,
-        HEAD_DIM=d, num_warps=4, **pdl.launch_options(key.device))
+        HEAD_DIM=d, STORE_ROTATED=store, num_warps=4, **pdl.launch_options(key.device))
+    if store and key is not given:
+        given.copy_(key)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float, config: LaunchConfig | None = None, k_scale: float = 1.0,
                     v_scale: float = 1.0,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    prefill_config: PrefillConfig | None = None) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
     head_dim] in query's dtype, or fp8 e4m3 read as ``float(entry) * k_scale`` (``v_scale``;
     scales ignored for other caches). Returns [num_tokens, num_heads, head_dim] in query's dtype.
     ``rope``: (positions, cos_sin) as for `write_kv`: the query is rotated as it is loaded.
-    ``config`` overrides the tile choice (benchmarks, tests). Raises ValueError for head_dim
-    above 256.
-    """
-    from . import triton_kernels as tk
+    ``new_kv``: this step's (key, value) [num_tokens, num_kv_heads, head_dim] as the cache holds
+    them (rotated, with ``rope``: `write_kv` with ``store_rotated``): prefill requests then take
+    the prefill kernel (prefill.py), reading their own new keys from it; ignored for fp8 caches.
 
+    A step's decodes (one new token) and prefills launch apart, each with its own tiles (from
+    one metadata: `AttentionMetadata.parts`, worked out on the host). ``config`` overrides the
+    tiles and runs every request in one launch of the paged kernel (benchmarks, tests);
+    ``prefill_config`` the prefill kernel's. Raises ValueError for head_dim above 256.
+    """
     t, hq, d = query.shape
     _, _, block_size, hkv, d_cache = kv_cache.shape
     if d > MAX_HEAD_DIM or d != d_cache:
         raise ValueError(f"head_dim={d} (cache {d_cache}): the triton backend supports "
                          f"head_dim up to {MAX_HEAD_DIM}, equal in query and cache")
-    group = hq // hkv
     out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)
     if t == 0:
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    cfg = config or choose_config(t, metadata.num_seqs, metadata.max_query_len,
-                                  metadata.max_seq_len, hkv, group, d, query.dtype, query.device)
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
+    elif new_kv is not None:
+        new_kv = None  # the reference reads the rounded cache entries
+    if config is not None:
+        whole = BatchPart(0, metadata.num_seqs, 0, t, metadata.max_query_len,
+                          metadata.max_seq_len, True)
+        _paged(out, query, kv_cache, metadata, whole, scale, config, 0, k_scale, v_scale, rope)
+        return out
+    decodes, prefills = metadata.parts
+    if decodes is not None:
+        _paged(out, query, kv_cache, metadata, decodes, scale, None,
+               0 if decodes.pure else 1, k_scale, v_scale, rope)
+    if prefills is not None:
+        if new_kv is not None:
+            prefill_attention(out, query, new_kv, kv_cache, metadata, prefills, scale,
+                              prefill_config, rope)
+        else:
+            _paged(out, query, kv_cache, metadata, prefills, scale, None,
+                   0 if prefills.pure else 2, k_scale, v_scale, rope)
+    return out
+
+
+def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+           metadata: AttentionMetadata, part: BatchPart, scale: float,
+           config: LaunchConfig | None, kind: int, k_scale: float, v_scale: float,
+           rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """One launch of the paged kernel over ``part``'s requests (``kind``: the kernel's KIND),
+    writing their rows of ``out``."""
+    from . import triton_kernels as tk
+
+    t, hq, d = query.shape
+    _, _, block_size, hkv, _ = kv_cache.shape
+    group = hq // hkv
+    a, b = part.seq_begin, part.seq_end
+    n = part.tok_end - part.tok_begin
+    cfg = config or choose_config(n, b - a, part.max_query_len, part.max_seq_len, hkv, group, d,
+                                  query.dtype, query.device)
     block_q = max(cfg.block_m // group, 1)
-    num_q_blocks = t // block_q + metadata.num_seqs
+    num_q_blocks = n // block_q + (b - a)
     d_pad = max(_next_pow2(d), 16)
     splits = cfg.num_splits
     if splits > 1:
-        part_acc = torch.empty((t, hq, splits, d_pad), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((t, hq, splits, 2), dtype=torch.float32, device=query.device)
+        part_acc = torch.empty((n, hq, splits, d_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((n, hq, splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    if kv_cache.dtype != FP8_KV_DTYPE:
-        k_scale = v_scale = 1.0
     cnt = _counters(query.device, num_q_blocks * hkv)
     if splits == 1:
         cnt = None
+    tables = metadata.block_tables[a:b]
     tk.paged_attention_kernel[(num_q_blocks, hkv, splits)](
-        out, query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, part_acc, part_ml, out if cnt is None else cnt,
+        out, query, kv_cache[0], kv_cache[1], tables, metadata.seq_lens[a:b],
+        metadata.query_start_loc[a:b + 1], part_acc, part_ml, out if cnt is None else cnt,
         *(rope if rope is not None else (metadata.seq_lens, query)),
-        metadata.num_seqs, num_q_blocks, scale, float(k_scale), float(v_scale),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        metadata.block_tables.stride(0),
+        b - a, num_q_blocks, part.tok_begin, scale, float(k_scale), float(v_scale),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options(query.device))
+        DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None, KIND=kind,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(query.device))
     if splits > 1 and cnt is None:
-        tk.reduce_splits_kernel[(t, hq)](
-            out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
+        rows = out[part.tok_begin:part.tok_end]
+        tk.reduce_splits_kernel[(n, hq)](
+            rows, part_acc, part_ml, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
             num_warps=4, **pdl.launch_options(query.device))
-    return out
 
 
 class TritonBackend(AttentionBackend):
@@ -196,6 +244,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_fp8_kv_cache = True
     supports_fused_rope = True
+    accepts_new_kv = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> str | None:
         try:
@@ -217,11 +266,13 @@ class TritonBackend(AttentionBackend):
         return super().supports_kv_cache_dtype(device, dtype, kv_dtype)
 
     def write_kv(self, key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0, rope=None):
-        write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, rope)
+        # with rope, key is rotated in place too: `forward`'s new_kv then holds the cache's keys
+        write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, rope, store_rotated=True)
 
     def forward(self, query, kv_cache, metadata: AttentionMetadata, scale, k_scale=1.0,
-                v_scale=1.0, rope=None):
-        return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale, rope)
+                v_scale=1.0, rope=None, new_kv=None):
+        return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale, rope,
+                               new_kv)
 
 
 @hookimpl

@@ -70,9 +70,12 @@ def write_kv_kernel(
     FP8_MAX: tl.constexpr,
     ROPE: tl.constexpr = False,  # rotate K first (positions, cos_sin table; see _rope)
     HEAD_DIM: tl.constexpr = 1,
+    STORE_ROTATED: tl.constexpr = False,  # ROPE: also store the rotated K back into key
     PDL: tl.constexpr = False,
 ):
-    """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped."""
+    """Grid (num_tokens, cdiv(ROW, BLOCK)). A negative slot (a padding token) is skipped.
+    ``STORE_ROTATED`` needs one program per token (BLOCK >= ROW): the partner halves of RoPE
+    are read before any thread of the program overwrites them."""
     t = tl.program_id(0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -85,6 +88,9 @@ def write_kv_kernel(
     k = tl.load(k_ptrs, mask=mask)
     if ROPE:
         k = _rope(k, k_ptrs, offs % HEAD_DIM, tl.load(pos_ptr + t), cos_sin_ptr, mask, HEAD_DIM)
+        if STORE_ROTATED:
+            tl.debug_barrier()  # every thread has read its partner element
+            tl.store(k_ptrs, k, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
     if FP8:
         k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
@@ -95,13 +101,14 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """The request owning query block ``pid``: the last i with qsl[i] // BLOCK_Q + i <= pid."""
+def _find_seq(query_start_loc_ptr, num_seqs, pid, tok0, BLOCK_Q: tl.constexpr):
+    """The request owning query block ``pid``: the last i with (qsl[i] - tok0) // BLOCK_Q + i
+    <= pid (``tok0`` = qsl[0]: the launch covers a slice of the batch's requests)."""
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        start = (tl.load(query_start_loc_ptr + mid) - tok0) // BLOCK_Q + mid
         if start <= pid:
             lo = mid + 1
         else:
@@ -158,24 +165,29 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, pos_ptr, cos_sin_ptr,
-    num_seqs, num_q_blocks, scale, k_scale, v_scale,
+    num_seqs, num_q_blocks, tok0, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr = False,
-    ROPE: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, KIND: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
     num_seqs (an upper bound: programs past a request's last query block return at once).
+    The launch covers requests ``query_start_loc_ptr[0 .. num_seqs]`` (a slice of the batch's:
+    their tokens start at ``tok0``; seq_lens / block tables sliced alike); ``KIND`` 1 skips
+    requests with more than one new token, 2 those with one (a mixed step's decodes and
+    prefills launch apart, each with its own tiles); 0 runs all.
 
     NUM_SPLITS == 1 writes out [num_tokens, num_heads, head_dim]; otherwise part_acc
-    [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
-    [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps), which
+    [n, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (unnormalised) and part_ml
+    [n, num_heads, NUM_SPLITS, 2] fp32 (running max in log2 units, sum of exps; n: the
+    launch's tokens, token tok at row tok - tok0), which
     ``reduce_splits_kernel`` merges into out; with ``FUSED_REDUCE`` the last of a (query block,
     kv head)'s NUM_SPLITS programs to finish merges them itself (an atomic counter per pair in
     ``cnt_ptr`` [num_q_blocks * NUM_KV_HEADS] int32, zero before and left zero after; the
@@ -187,12 +199,14 @@ def paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     pdl.wait(PDL)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, tok0, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
-    q_block = pid - (q_begin // BLOCK_Q + seq)
+    q_block = pid - ((q_begin - tok0) // BLOCK_Q + seq)
     q_first = q_block * BLOCK_Q  # first new token of this program, within the request
     if q_first >= q_len:
+        return
+    if (KIND == 1 and q_len > 1) or (KIND == 2 and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # tokens cached before this step
@@ -249,7 +263,7 @@ def paged_attention_kernel(
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        row0 = (tok * (NUM_KV_HEADS * G) + head) * NUM_SPLITS  # split 0 of each row
+        row0 = ((tok - tok0) * (NUM_KV_HEADS * G) + head) * NUM_SPLITS  # split 0 of each row
         row = row0 + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
                  mask=row_ok[:, None])

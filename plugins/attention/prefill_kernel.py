@@ -1,0 +1,169 @@
+"""The Triton kernel of the ``triton`` backend's prefill path: causal attention of a step's
+prefill chunks over (1) their cached prefix, read through the block tables, then (2) the chunk's
+own keys, read contiguously from the step's new K/V ([num_tokens, num_kv_heads, head_dim], the
+tensors the layer has just written to the cache), with TMA tensor descriptors on Hopper.
+
+Algorithm: FlashAttention-2's forward (Dao 2023): one pass of online softmax over key tiles, the
+running max and sum in base 2 with the softmax scale folded into one multiply-add before
+``exp2``; the ordering and splitting of FlashAttention-3 (Shah et al. 2024) and of Triton's
+fused-attention tutorial (06): the heaviest query blocks start first, the key tiles that every
+row of a query block may see run without masks and only the (one or two) tiles on the causal
+diagonal are masked, K/V tiles arrive by TMA (``TMA`` 1: host-built descriptors, 2: built on the
+device) into a ``num_stages`` pipeline, optionally warp-specialized (``WARP_SPECIALIZE``,
+Triton's automatic producer/consumer split of the loop).
+
+Rows: a program owns ``BLOCK_Q`` consecutive new tokens of one request times the ``G`` query
+heads sharing one kv head (``BLOCK_M = BLOCK_Q * G`` rows, token-major), as
+triton_kernels.paged_attention_kernel does, so each K/V tile is loaded once per GQA group.
+
+Under ``TRITON_INTERPRET=1`` both the pointer path (``TMA`` 0) and host descriptors run (the
+interpreter emulates descriptor loads); ``WARP_SPECIALIZE`` is a compile hint it ignores.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagebatch.kernels import pdl
+
+from .triton_kernels import _attend_tiles, _find_seq, _rope
+
+
+@triton.jit
+def _chunk_tiles(
+    acc, l_i, m_i, q, k_src, v_src, kv_row0, kv_col, q_len, q_idx, lo, hi, stride_kt, stride_vt,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over the chunk's keys ``lo .. hi-1`` (indices within the request's new
+    tokens: row ``kv_row0 + j`` of the step's K/V, columns ``kv_col ..`` for this kv head).
+    ``MASKED``: the diagonal tiles (key j visible to a row of chunk index q_idx iff j <= q_idx);
+    otherwise every row sees every key and no mask is computed."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    for start_n in tl.range(lo, hi, TILE_N, warp_specialize=WARP_SPECIALIZE):
+        if TMA != 0:
+            k = k_src.load([kv_row0 + start_n, kv_col])
+            v = v_src.load([kv_row0 + start_n, kv_col])
+        else:
+            rows = (kv_row0 + start_n + offs_n).to(tl.int64)
+            k_ptrs = k_src + rows[:, None] * stride_kt + kv_col + offs_d[None, :]
+            v_ptrs = v_src + rows[:, None] * stride_vt + kv_col + offs_d[None, :]
+            if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+                ok = ((start_n + offs_n) < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+                k = tl.load(k_ptrs, mask=ok, other=0.0)
+                v = tl.load(v_ptrs, mask=ok, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = (start_n + offs_n)[None, :] <= q_idx[:, None]
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "num_tokens", "stride_bt"])
+def prefill_attention_kernel(
+    out_ptr, q_ptr, k_src, v_src, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, pos_ptr, cos_sin_ptr,
+    num_seqs, num_q_blocks, tok0, num_tokens, scale,
+    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_DECODES: tl.constexpr = False, ROPE: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """Grid (num_q_blocks * num_kv_heads,), kv heads varying fastest, so that the heaviest query
+    blocks of every head are scheduled first; num_q_blocks = n // BLOCK_Q + num_seqs for the
+    launch's n tokens (an upper bound, as in paged_attention_kernel).
+
+    q_ptr: [num_tokens, num_heads, head_dim]; out_ptr alike (only the launch's rows written);
+    k_src / v_src: the step's new K / V [num_tokens, num_kv_heads * head_dim] (row stride
+    stride_kt / stride_vt), as pointers (TMA 0 and 2) or host TensorDescriptors of block
+    [TILE_N, HEAD_DIM] (TMA 1); k_cache_ptr / v_cache_ptr, block tables, seq_lens,
+    query_start_loc (sliced to the launch's requests, whose tokens start at ``tok0``): as in
+    paged_attention_kernel. A request's keys are its ``seq_len - q_len`` cached tokens, then its
+    new tokens (their rows in k_src / v_src). ``SKIP_DECODES``: requests with one new token
+    return at once (a mixed step's decodes launch apart). ``ROPE``: q is rotated as it loads;
+    k_src must already be rotated (the backend's write_kv stores its rotation back).
+    """
+    kvh = tl.program_id(0) % NUM_KV_HEADS
+    pid = num_q_blocks - 1 - tl.program_id(0) // NUM_KV_HEADS  # the latest (heaviest) first
+    pdl.wait(PDL)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, tok0, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_first = (pid - ((q_begin - tok0) // BLOCK_Q + seq)) * BLOCK_Q  # within the request
+    if q_first >= q_len:
+        return
+    if SKIP_DECODES and q_len == 1:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # tokens cached before this step
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_idx = q_first + offs_m // G  # index within the request's new tokens
+    head = kvh * G + offs_m % G
+    row_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
+    io_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok = (q_begin + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=io_ok, other=0.0)
+    if ROPE:
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=0)
+        q = _rope(q, q_ptrs, offs_d[None, :], pos[:, None], cos_sin_ptr, io_ok, HEAD_DIM)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    # (1) the cached prefix: every row sees every key; the last partial tile masks the end
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    stride_slot = NUM_KV_HEADS * HEAD_DIM
+    q_pos = ctx_len + q_idx
+    ctx_full = ctx_len // TILE_N * TILE_N
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, bt_row,
+        ctx_len, q_pos, 0, ctx_full, stride_slot, offs_d, qk_scale, HEAD_DIM, HEAD_DIM_PAD,
+        BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, bt_row,
+        ctx_len, q_pos, ctx_full, ctx_len, stride_slot, offs_d, qk_scale, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+
+    # (2) the chunk's own keys: tiles before the first row's position unmasked, then the diagonal
+    if TMA == 2:  # device-side descriptors (need triton.set_allocator for their workspace)
+        k_src = tl.make_tensor_descriptor(k_src, shape=[num_tokens, NUM_KV_HEADS * HEAD_DIM],
+                                          strides=[stride_kt, 1], block_shape=[TILE_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[num_tokens, NUM_KV_HEADS * HEAD_DIM],
+                                          strides=[stride_vt, 1], block_shape=[TILE_N, HEAD_DIM])
+    q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    full_end = (q_first + 1) // TILE_N * TILE_N  # keys [0, full_end) precede every row
+    acc, l_i, m_i = _chunk_tiles(
+        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, 0, full_end,
+        stride_kt, stride_vt, qk_scale, HEAD_DIM, HEAD_DIM_PAD, TILE_N, False, TMA,
+        WARP_SPECIALIZE, DOT_PRECISION)
+    acc, l_i, m_i = _chunk_tiles(
+        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, full_end,
+        q_last + 1, stride_kt, stride_vt, qk_scale, HEAD_DIM, HEAD_DIM_PAD, TILE_N, True, TMA,
+        WARP_SPECIALIZE, DOT_PRECISION)
+    pdl.launch_dependents(PDL)
+
+    out = acc / l_i[:, None]  # every valid row saw its own key: l_i >= 1
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_ok)
