@@ -25,6 +25,42 @@ def weight_bytes(model) -> int:
     return total
 
 
+def sampling_params_of(config: EngineConfig, out_lens: list[int],
+                       sampling: dict[str, Any] | None):
+    """Prompt index -> its `SamplingParams`: ``out_lens[i]`` tokens, EOS ignored; greedy for
+    ``sampling`` None, else those fields with seed ``config.seed + i`` (every run draws the same
+    tokens)."""
+    from ..request import SamplingParams
+
+    if sampling:
+        return {i: SamplingParams(**sampling, seed=config.seed + i, max_tokens=n,
+                                  ignore_eos=True) for i, n in enumerate(out_lens)}
+    params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in set(out_lens)}
+    return {i: params[n] for i, n in enumerate(out_lens)}
+
+
+def run_workload(engine, kind: str, batch: list[list[int]],
+                 sp_of: dict) -> tuple[float, float, int]:
+    """Submit ``batch`` (token ids; prompt i with ``sp_of[i]``) to ``engine`` (an `LLMEngine`)
+    and step until it is done. Returns (elapsed seconds, seconds to the first output or 0.0,
+    output tokens). ``kind`` ``"throughput"`` asks for final outputs only."""
+    ttft = None
+    start = time.perf_counter()
+    for i, p in enumerate(batch):
+        core_req, state = engine.prepare({"prompt_token_ids": p}, sp_of[i])
+        if kind == "throughput":  # latency's TTFT needs the first output
+            state.want_final_only()
+        engine.submit(core_req, state)
+    n_out = 0
+    while engine.has_unfinished_requests:
+        outs = engine.step()
+        if ttft is None and outs:
+            ttft = time.perf_counter() - start
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    return time.perf_counter() - start, ttft or 0.0, n_out
+
+
 def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
                     out_lens: list[int], num_iters: int,
                     sampling: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -39,34 +75,14 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     run), ``elapsed_each_s``, ``output_tokens``, ``output_tok_s``; latency adds ``ttft_s`` and
     ``decode_tok_s`` (medians over prompts x iterations). The engine is shut down after."""
     from ..engine import LLMEngine
-    from ..request import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     startup = time.perf_counter() - t0
-    if sampling:  # a seed of its own per prompt: every run draws the same tokens
-        sp_of = {i: SamplingParams(**sampling, seed=config.seed + i, max_tokens=n,
-                                   ignore_eos=True) for i, n in enumerate(out_lens)}
-    else:
-        params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for n in set(out_lens)}
-        sp_of = {i: params[n] for i, n in enumerate(out_lens)}
+    sp_of = sampling_params_of(config, out_lens, sampling)
 
     def run(batch: list[list[int]]) -> tuple[float, float, int]:
-        ttft = None
-        start = time.perf_counter()
-        for i, p in enumerate(batch):
-            core_req, state = engine.prepare({"prompt_token_ids": p}, sp_of[i])
-            if kind == "throughput":  # latency's TTFT needs the first output
-                state.want_final_only()
-            engine.submit(core_req, state)
-        n_out = 0
-        while engine.has_unfinished_requests:
-            outs = engine.step()
-            if ttft is None and outs:
-                ttft = time.perf_counter() - start
-            n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-        return time.perf_counter() - start, ttft or 0.0, n_out
+        return run_workload(engine, kind, batch, sp_of)
 
     # every run's prompts have their ids shifted by a run-own amount (mod the largest id + 1,
     # so inside the vocabulary): no run may hit the prefix cache that the ones before it left
