@@ -210,3 +210,26 @@ def test_the_script_runs_on_the_cpu(tiny_model_dir, tmp_path, capsys):
     events = json.load(gzip.open(trace, "rt"))["traceEvents"]
     assert sum(e.get("name") == STEP_MARK for e in events) == 2
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("output tok/s")
+
+
+def test_activity_without_activity_type():
+    """torch 2.11's raw events have no activity_type(): the kind comes from device and name."""
+    from pagebatch.bench.kernel_split import STEP_MARK, activity
+
+    class Event:
+        def __init__(self, name, device):
+            self._n, self._d = name, device
+
+        def name(self):
+            return self._n
+
+        def device_type(self):
+            return self._d
+
+        def is_python_function(self):
+            return False
+
+    kinds = [activity(Event(n, d)) for n, d in [
+        ("void gemm", "DeviceType.CUDA"), ("cudaLaunchKernel", "DeviceType.CPU"),
+        (STEP_MARK, "DeviceType.CPU"), ("aten::mm", "DeviceType.CPU")]]
+    assert kinds == ["kernel", "cuda_runtime", "user_annotation", "cpu_op"]

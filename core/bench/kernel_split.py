@@ -149,6 +149,25 @@ class Session:
 ACAUSAL_US = 20.0
 
 
+def activity(e: Any) -> str | None:
+    """A raw profiler event's kind: ``activity_type()`` where torch has it (2.13); torch 2.11's
+    events have none, so there it is told from the device (CUDA: a kernel, copy or set) and
+    the name (``cuda*`` / ``cu*`` runtime and driver calls; the step mark); None for Python
+    function events."""
+    try:
+        return e.activity_type()
+    except AttributeError:
+        pass
+    if getattr(e, "is_python_function", lambda: False)():
+        return None
+    if str(e.device_type()).endswith("CUDA"):
+        return "kernel"
+    name = e.name()
+    if name.startswith("cu"):
+        return "cuda_runtime"
+    return "user_annotation" if name == STEP_MARK else "cpu_op"
+
+
 def kernels_from_events(events: Iterable[Any]) -> Session:
     """The `Session` of a profiler session's raw events
     (``prof.profiler.kineto_results.events()``: objects with ``name()``, ``activity_type()``,
@@ -157,7 +176,9 @@ def kernels_from_events(events: Iterable[Any]) -> Session:
     windows (the degraded mode: only names tell GEMMs apart there)."""
     windows, gpu, ops, launches, op_names = [], [], [], {}, {}
     for e in events:
-        act = e.activity_type()
+        act = activity(e)
+        if act is None:
+            continue
         start, dur = e.start_ns() / 1e3, e.duration_ns() / 1e3
         if act in GPU_ACTIVITIES:
             gpu.append((e.name(), start, dur, e.correlation_id(), e.linked_correlation_id()))
