@@ -3,7 +3,7 @@
 # Qwen3-4B and Mistral-Nemo-12B (examples/configs/), each bf16, awq and gptq (dummy weights,
 # quantized at load), with the start-up autotuner on and an empty user cache, so every launch
 # config comes from the autotuner or the rule (core/kernels/autotune.py), not a table. Then the
-# table of scripts/gpu_shapes_table.py. One device call, on one GPU (~5-7 min; each run is cut
+# table of scripts/gpu_shapes_table.py. One device call, on one GPU (~4-7 min; each run is cut
 # at RUN_S seconds, and runs stop being started after TOTAL_S):
 #
 #   bash scripts/gpu-run bash scripts/gpu_shapes.sh            # results in $OUT/shapes/
@@ -15,8 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-/tmp}/shapes
 mkdir -p "$DEST"
-RUN_S=${RUN_S:-150}
-TOTAL_S=${TOTAL_S:-420}
+RUN_S=${RUN_S:-130}
+TOTAL_S=${TOTAL_S:-320}
 SHAPES=${SHAPES:-"qwen2.5-7b qwen3-4b mistral-nemo-12b"}
 METHODS=${METHODS:-"bf16 awq gptq"}
 export PAGEBATCH_CACHE="$DEST/cache"  # empty: configs from the autotuner or the rule

@@ -193,8 +193,8 @@ HEADS = [(28, 4, 128), (14, 2, 128), (7, 1, 128), (32, 8, 128), (16, 4, 128), (1
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
 def test_attention_rule_for_head_layouts(hq, hkv, d, monkeypatch):
     """`choose_config` on a 132-SM GPU: tiles hold whole GQA groups (block_m a power of two >=
-    the group), split-KV fills the GPU at batch 1 on long contexts and is off for batches that fill it,
-    for any head count (group 7 of Qwen2.5 included)."""
+    the group), split-KV fills the GPU at batch 1 on long contexts and is off for batches that
+    fill it, for any head count (group 7 of Qwen2.5 included)."""
     from pagebatch.plugins.attention import triton_backend as tb
 
     monkeypatch.setattr(tb, "num_sms", lambda device: 132)

@@ -17,9 +17,10 @@ autotune.py):
 - 2-16 rows, 4 bits, 16-bit activations: the tensor-core kernel of w4a16_mma.py (up to 16 rows
   for the price of one: on an H200 the 8B gate/up product at 16 rows takes 45 us there against
   117 us on the split-K GEMM below);
-- other decode sizes (M <= 16: g_idx, 8 bits, fp32 activations): split-K — the K tiles are spread over ``SPLIT_K`` programs per output
-  tile, each adds its fp32 partial sum with an atomic add, so that a GEMV-shaped problem still
-  fills the GPU (the weight read is the whole cost);
+- other decode sizes (M <= 16: g_idx, 8 bits, fp32 activations): split-K — the K tiles are
+  spread over ``SPLIT_K`` programs per output tile, each adds its fp32 partial sum with an
+  atomic add, so that a GEMV-shaped problem still fills the GPU (the weight read is the whole
+  cost);
 - prefill sizes: one program per (M, N) tile walks all of K;
 - M >= ``DENSE_MIN_M``: dequantize the whole weight once (`wna16_dequantize`) and call cuBLAS,
   as AutoAWQ does for large inputs (the GEMM is then compute-bound and cuBLAS is faster).

@@ -24,8 +24,6 @@ docs/benchmarks.md tuned it on the 8B shapes, AWQ g128):
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 
