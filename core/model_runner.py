@@ -24,6 +24,7 @@ from .errors import CacheTooSmallError, ConfigError
 from .input_batch import InputBatch
 from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
+from .layers.dense import GEMV_MAX_M
 from .layers.linear import LinearBase
 from .model import PipelineStageLM
 from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
@@ -255,6 +256,17 @@ class ModelRunner:
             self.graphs = CUDAGraphs(forward, self._step_buf, self.config.max_num_seqs,
                                      self.input_batch.max_blocks, self.max_model_len)
             self.graphs.capture()
+            self._warm_lm_head(self.graphs.sizes)
+
+    @torch.inference_mode()
+    def _warm_lm_head(self, sizes: list[int]) -> None:
+        """The LM head (outside the graphs) once at each decode bucket of ``sizes`` up to
+        GEMV_MAX_M rows: its config (table, autotuner, rule: core/kernels/autotune.py) is then
+        settled at start, not at the first step of that many requests."""
+        if not self.parallel.is_last_stage:
+            return
+        for bs in (s for s in sizes if s <= GEMV_MAX_M):
+            self.model.compute_logits(self.graphs.outputs[bs])
 
     def release_graphs(self) -> None:
         """Destroy the captured CUDA graphs (and wait for the device). Before a NCCL process

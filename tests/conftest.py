@@ -10,6 +10,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# kernels take a table's config or the rule's, not a start-up timing (core/kernels/autotune.py;
+# tests/test_autotune.py turns it on where it tests it)
+os.environ.setdefault("PAGEBATCH_AUTOTUNE", "0")
 
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -91,28 +91,34 @@ def test_dense_linear_without_a_table_is_f_linear():
 
 
 def test_dense_table_choice(tmp_path, monkeypatch):
-    """core/layers/dense.py asks the ``dense_gemv`` table once per (device, N, K, M): the GEMV's
-    parameters where the sweep measured it faster, None (cuBLAS) where cuBLAS won or nothing
-    was measured."""
+    """core/layers/dense.py asks for the ``dense_gemv`` config once per (device, N, K, M): the
+    GEMV's parameters where a table measured it faster, None (cuBLAS) where cuBLAS won; for a
+    row count or shape no table has, the rule's (core/kernels/gemv_configs.py: the GEMV at one
+    row, cuBLAS above)."""
     import json
 
-    from pagebatch.kernels import tuned
+    from pagebatch.kernels import gemv_configs, tuned
     from pagebatch.layers import dense
 
     table = {dense.gemv_key(64, 32): {"1": {"kernel": "gemv", "block_n": 16, "block_k": 32},
                                       "2": {"kernel": "cublas"}}}
     (tmp_path / "dense_gemv_Fake_GPU.json").write_text(json.dumps(table))
     monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(tuned.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(tuned, "_device_name", lambda index: "Fake_GPU")
-    tuned.load_table.cache_clear()
+    dense._modules()
+    monkeypatch.setitem(dense._kernels, "num_sms", lambda device: 8)
+    tuned.clear_caches()
     try:
         cuda = torch.device("cuda", 0)
         assert dense._lookup(cuda, 64, 32, 1) == {"block_n": 16, "block_k": 32}
         assert dense._lookup(cuda, 64, 32, 2) is None  # cuBLAS won
-        assert dense._lookup(cuda, 64, 32, 3) is None  # not measured
-        assert dense._lookup(cuda, 128, 32, 1) is None
+        assert dense._lookup(cuda, 64, 32, 3) is None  # not measured: the rule, cuBLAS
+        rule = gemv_configs.rule_config(1, 128, 32, 8)
+        assert dense._lookup(cuda, 128, 32, 1) == {p: v for p, v in rule.items()
+                                                   if p != "kernel"}
     finally:
-        tuned.load_table.cache_clear()
+        tuned.clear_caches()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the engine on CUDA")
@@ -141,20 +147,24 @@ def test_engine_greedy_with_the_gemv_table_is_cublas_greedy(tmp_path, monkeypatc
         json.dumps(table))
     prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(5 + 9 * i)] for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cublas_dir = tmp_path / "cublas"  # the baseline: a table that says cuBLAS everywhere
+    cublas_dir.mkdir()
+    (cublas_dir / f"dense_gemv_{tuned.device_name(torch.device('cuda'))}.json").write_text(
+        json.dumps({dense.gemv_key(n, k): {"16": {"kernel": "cublas"}} for n, k in shapes}))
     runs = {}
     for with_table in (False, True):
-        if with_table:
-            monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
-        tuned.load_table.cache_clear()
+        monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path if with_table else cublas_dir))
+        tuned.clear_caches()
         dense._choice.clear()
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kv_blocks=256,
                   block_size=16, max_num_seqs=1)
         runs[with_table] = greedy_one_by_one(llm, prompts, sp)
-        gate_up = (torch.device("cuda", torch.cuda.current_device()), 2 * inter, hidden, 1)
+        gate_up = (torch.device("cuda", torch.cuda.current_device()), 2 * inter, hidden, 1,
+                   True)
         assert (dense._choice.get(gate_up) is not None) == with_table
         del llm
         torch.cuda.empty_cache()
-    tuned.load_table.cache_clear()
+    tuned.clear_caches()
     dense._choice.clear()
     for ref, gaps, got in zip(runs[False][0], runs[False][1], runs[True][0]):
         assert_greedy_match(ref, gaps, got, what="GEMV table vs cuBLAS")

@@ -81,6 +81,10 @@ SHAPES = [
     ("llama-3.2-1b", "LlamaForCausalLM", 2048, 16, 32, 8, 64, 8192, 128256, True),
     ("llama-3.1-8b", "LlamaForCausalLM", 4096, 32, 32, 8, 128, 14336, 128256, False),
     ("qwen3-0.6b", "Qwen3ForCausalLM", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    # shapes of no packaged kernel table (scripts/gpu_shapes.sh)
+    ("qwen2.5-7b", "Qwen2ForCausalLM", 3584, 28, 28, 4, 128, 18944, 152064, False),
+    ("qwen3-4b", "Qwen3ForCausalLM", 2560, 36, 32, 8, 128, 9728, 151936, True),
+    ("mistral-nemo-12b", "MistralForCausalLM", 5120, 40, 32, 8, 128, 14336, 131072, False),
 ]
 
 
@@ -92,6 +96,7 @@ def test_benchmark_shape_configs_load(shape):
     folder, arch, *dims = shape
     cfg = AutoConfig.from_pretrained(str(EXAMPLES / folder))
     assert cfg.architectures == [arch]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+            cfg.num_key_value_heads, head_dim, cfg.intermediate_size, cfg.vocab_size,
             cfg.tie_word_embeddings] == dims

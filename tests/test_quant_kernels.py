@@ -175,7 +175,7 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
                                             "8": {"kernel": "gemm", "block_m": 16}}}
     (tmp_path / "wna16_Fake_GPU.json").write_text(json.dumps(table))
     monkeypatch.setenv(tuned.ENV_DIR, str(tmp_path))
-    tuned.load_table.cache_clear()
+    tuned.clear_caches()
     try:
         by_m = tuned.load_table("wna16", "Fake_GPU")["bits=4,n=64,k=128,group=32"]
         assert tuned.select(by_m, 1)["kernel"] == "gemv"
@@ -183,4 +183,4 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
         assert tuned.select(by_m, 9) is None
         assert tuned.load_table("wna16", "Other_GPU") == {}
     finally:
-        tuned.load_table.cache_clear()
+        tuned.clear_caches()

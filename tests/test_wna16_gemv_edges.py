@@ -150,8 +150,9 @@ def test_every_picked_config_runs(sms, monkeypatch):
     """Every heuristic config (as on an 8-SM device and on an H200's 132 SMs) runs and is right,
     including group sizes no GEMV tile divides, N below block_n and g_idx."""
     from pagebatch.quant.kernels import wna16 as W
+    from pagebatch.quant.kernels import wna16_configs
 
-    monkeypatch.setattr(W, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(wna16_configs, "_num_sms", lambda device: sms)
     for bits, gs, n, k, m, g_idx in _pick_cases():
         x, qw, s, z, ref = _problem(m, n, k, bits, gs, seed=m * 7 + n)
         gi = (torch.arange(k, device=DEVICE) // gs).int() if g_idx else None

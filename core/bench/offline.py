@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..engine_core import EngineCore
+from ..kernels import autotune
 from .workload import shift_ids
 
 
@@ -70,7 +71,8 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     ``sampling``: `SamplingParams` fields (temperature, top_p, top_k; None: greedy); prompt i
     then gets seed ``config.seed + i``.
 
-    Returns ``engine``, ``startup_s``, ``warmup_s`` (seconds), ``weights_gb`` and
+    Returns ``engine``, ``startup_s``, ``warmup_s``, ``autotune_s`` (seconds; the kernel
+    autotuning inside them), ``autotune_candidates``, ``weights_gb`` and
     ``kv_cache_tokens`` (in-process core only); throughput adds ``elapsed_s`` (the fastest
     run), ``elapsed_each_s``, ``output_tokens``, ``output_tok_s``; latency adds ``ttft_s`` and
     ``decode_tok_s`` (medians over prompts x iterations). The engine is shut down after."""
@@ -100,6 +102,8 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     run(warm if kind == "throughput" else warm[:1])
     res: dict[str, Any] = {"engine": "pagebatch", "startup_s": round(startup, 2),
                            "warmup_s": round(time.perf_counter() - t0, 2)}
+    tuning = autotune.stats()  # this process's start-up autotuning (core/kernels/autotune.py)
+    res.update(autotune_s=round(tuning["seconds"], 2), autotune_candidates=tuning["candidates"])
     if isinstance(engine.core, EngineCore):  # in this process (no client): its runner
         runner = engine.core.runner
         model = runner.model

@@ -9,7 +9,9 @@ the plain torch path). Each module imports Triton, so import one only where it w
   split-K reduction by the last-arriving program that it, the W4A16 GEMV, the split-KV
   attention merge and argmax.py (the sampler's argmax) share; tuned.py: the lookup of per-GPU
   config tables (configs/ holds the shared kernels' tables; quant/kernels/configs/ the quant
-  kernels').
+  kernels'; the user cache the autotuner's); autotune.py: the start-up autotuner for shapes no
+  table has, shared by the 16-bit GEMV and the W4A16 kernels; gemv_configs.py: the 16-bit
+  GEMV's launch rule and candidates.
 - pdl.py: programmatic dependent launch for these kernels (on; ``PAGEBATCH_PDL=0`` turns it off).
 
 What lives here: kernels that core layers, the sampler or distributed code use, and primitives

@@ -1,9 +1,10 @@
-"""``x @ W^T (+ bias)`` for 16-bit weights ``[N, K]``: torch's ``F.linear`` (cuBLAS), except at
-decode sizes on a GPU whose tuned table (core/kernels/tuned.py, kernel ``dense_gemv``) measured
-the Triton GEMV of core/kernels/gemv.py faster for this shape and row count. Without a table
-entry nothing changes; the lookup is skipped for more than ``GEMV_MAX_M`` rows (prefill).
+"""``x @ W^T (+ bias)`` for 16-bit weights ``[N, K]``: torch's ``F.linear`` (cuBLAS), or at
+decode sizes on a GPU (up to ``GEMV_MAX_M`` rows) the Triton GEMV of core/kernels/gemv.py where
+the ``dense_gemv`` config of the shape and row count says so: a table's entry (core/kernels/
+tuned.py), else the start-up autotuner's pick among the rule's candidates (core/kernels/
+autotune.py, core/kernels/gemv_configs.py), else the rule (the GEMV at one row, cuBLAS above).
 `dense_linear_silu_mul` is the gate/up variant whose GEMV applies SiLU-and-mul in its epilogue
-(None where the table did not choose the GEMV)."""
+(None where the config is cuBLAS)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ _choice: dict[tuple, dict | None] = {}  # (device, N, K, M) -> GEMV parameters o
 
 def _modules():
     if not _kernels:
-        from pagebatch.kernels import gemv, tuned
+        from pagebatch.kernels import autotune, gemv, gemv_configs, num_sms, tuned
 
-        _kernels.update(gemv=gemv.gemv, lookup=tuned.lookup)
+        _kernels.update(gemv=gemv.gemv, choose=autotune.choose, rule=gemv_configs,
+                        num_sms=num_sms, config_dir=tuned.CONFIG_DIR)
     return _kernels
 
 
@@ -31,7 +33,7 @@ def gemv_key(n: int, k: int) -> str:
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes)."""
-    cfg = _gemv_config(x, weight)
+    cfg = _gemv_config(x, weight, bias, False)
     if cfg is not None:
         return _kernels["gemv"](x, weight, bias, **cfg)
     return F.linear(x, weight, bias)
@@ -42,28 +44,61 @@ def dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     """SiLU-and-mul of ``x @ W^T (+ bias)`` for W ``[2 * D, K]`` (D gate rows, then D up rows)
     as one GEMV launch: x ``[M, K]`` -> ``[M, D]``, where the table chose the GEMV for W's shape
     and M rows; None elsewhere (the caller runs the product and the activation)."""
-    cfg = _gemv_config(x, weight)
+    cfg = _gemv_config(x, weight, bias, True)
     if cfg is not None:
         return _kernels["gemv"](x, weight, bias, gated=True, **cfg)
     return None
 
 
-def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
-    """The GEMV's parameters for this product, or None (cuBLAS): the table is asked once per
-    (device, N, K, M), only for CUDA inputs of at most GEMV_MAX_M rows in W's dtype."""
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 gated: bool) -> dict | None:
+    """The GEMV's parameters for this product, or None (cuBLAS): chosen once per (device, N,
+    K, M, gated), only for CUDA inputs of at most GEMV_MAX_M rows in W's dtype."""
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
             and x.dtype == weight.dtype):
         return None
-    key = (x.device, weight.shape[0], weight.shape[1], x.shape[0])
+    key = (x.device, weight.shape[0], weight.shape[1], x.shape[0], gated)
     cfg = _choice.get(key, False)
     if cfg is False:  # first call for this shape
-        cfg = _choice[key] = _lookup(*key)
+        cfg = _choice[key] = _lookup(*key, weight=weight, bias=bias)
     return cfg
 
 
-def _lookup(device: torch.device, n: int, k: int, m: int) -> dict | None:
-    """The GEMV's launch parameters where the table chose it, else None (cuBLAS)."""
-    cfg = _modules()["lookup"]("dense_gemv", device, gemv_key(n, k), m)
-    if cfg is None or cfg.pop("kernel", None) != "gemv":
+def _lookup(device: torch.device, n: int, k: int, m: int, gated: bool = False, *,
+            weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> dict | None:
+    """The GEMV's launch parameters where the shape's config (autotune.choose: the tables,
+    the autotuner over `weight`, the rule) is the GEMV, else None (cuBLAS). Without ``weight``
+    nothing is timed (tables, then the rule)."""
+    mods = _modules()
+    rule = mods["rule"]
+    sms = mods["num_sms"](device)
+
+    def candidates(rows: int) -> list[dict]:
+        return rule.candidates(rows, n, k, sms, gated) if weight is not None else [
+            rule.rule_config(rows, n, k, sms, gated)]
+
+    def bench(rows: int):
+        x = torch.randn(rows, k, device=device, dtype=weight.dtype)
+        ref = F.linear(x, weight, bias)
+        ref = _silu_mul(ref) if gated else ref
+
+        def run(cfg: dict) -> torch.Tensor:
+            if cfg["kernel"] == "cublas":
+                out = F.linear(x, weight, bias)
+                return _silu_mul(out) if gated else out
+            params = {p: v for p, v in cfg.items() if p != "kernel"}
+            return mods["gemv"](x, weight, bias, gated=gated, **params)
+        return run, ref
+
+    cfg = mods["choose"]("dense_gemv", device, gemv_key(n, k), m, mods["config_dir"],
+                         candidates, bench)
+    if cfg.pop("kernel", None) != "gemv":
         return None
     return cfg
+
+
+def _silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul of ``[M, 2D]`` (what decode runs after cuBLAS on a gate/up product)."""
+    from pagebatch.kernels.activation import silu_and_mul
+
+    return silu_and_mul(y)

@@ -8,15 +8,19 @@ checkpoints are repacked into once at load:
 
 The weights are dequantized in registers, tile by tile, and never written out. Paths:
 
-- batch 1 (and the decode sizes a tuned table gives it): the CUDA-core GEMV of wna16_gemv.py,
-  with the fp16x2 fields of wna16_half2.py where the table says ``half2`` (16-bit activations;
-  ``PAGEBATCH_W4A16_HALF2=0`` turns them off);
-- decode sizes where the tuned table says so (4 bits, 16-bit activations): the tensor-core
-  kernel of w4a16_mma.py (up to 16 rows for the price of one: on an H200 the 8B gate/up
-  product at 16 rows takes 45 us there against 117 us on the split-K GEMM below);
-- decode sizes (M <= 16): split-K — the K tiles are spread over ``SPLIT_K`` programs per output
-  tile, each adds its fp32 partial sum with an atomic add, so that a GEMV-shaped problem still
-  fills the GPU (the weight read is the whole cost);
+Which path and launch parameters a shape gets at decode sizes: a table's entry, the start-up
+autotuner's pick or the rule (`_config`; quant/kernels/wna16_configs.py, core/kernels/
+autotune.py):
+
+- batch 1: the CUDA-core GEMV of wna16_gemv.py, with the fp16x2 fields of wna16_half2.py
+  (``half2``: 4 bits, 16-bit activations; ``PAGEBATCH_W4A16_HALF2=0`` turns them off);
+- 2-16 rows, 4 bits, 16-bit activations: the tensor-core kernel of w4a16_mma.py (up to 16 rows
+  for the price of one: on an H200 the 8B gate/up product at 16 rows takes 45 us there against
+  117 us on the split-K GEMM below);
+- other decode sizes (M <= 16: g_idx, 8 bits, fp32 activations): split-K — the K tiles are
+  spread over ``SPLIT_K`` programs per output tile, each adds its fp32 partial sum with an
+  atomic add, so that a GEMV-shaped problem still fills the GPU (the weight read is the whole
+  cost);
 - prefill sizes: one program per (M, N) tile walks all of K;
 - M >= ``DENSE_MIN_M``: dequantize the whole weight once (`wna16_dequantize`) and call cuBLAS,
   as AutoAWQ does for large inputs (the GEMM is then compute-bound and cuBLAS is faster).
@@ -35,14 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagebatch.kernels import num_sms, tuned
+from pagebatch.kernels import autotune, num_sms
 
-from . import CONFIG_DIR
+from . import CONFIG_DIR, wna16_configs
 from .w4a16_mma import w4a16_mma
-from .wna16_gemv import gemv_supported, wna16_gemv
+from .wna16_configs import DECODE_MAX_M, pick_config, shape_key  # noqa: F401 (re-exported)
+from .wna16_gemv import wna16_gemv
 
 DENSE_MIN_M = 1024  # from this many rows on, dequantize + cuBLAS (scripts/bench_quant.py)
-DECODE_MAX_M = 16
 _chosen: dict[tuple, dict] = {}  # pick_config's result per shape, device and activation dtype
 _ACT16 = (torch.bfloat16, torch.float16)  # activations the MMA kernel and half2 take
 HALF2_ENV = "PAGEBATCH_W4A16_HALF2"
@@ -128,61 +132,6 @@ def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size,
              w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _num_sms(device: torch.device) -> int:
-    return num_sms(device) if device.type == "cuda" else 8  # the interpreter: any small number
-
-
-def shape_key(bits: int, n: int, k: int, group_size: int) -> str:
-    """The key of a layer shape in the tuned-config tables (quant/kernels/configs/, read by
-    core/kernels/tuned.py)."""
-    return f"bits={bits},n={n},k={k},group={group_size}"
-
-
-def pick_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool,
-                device: torch.device, bits: int = 4, tuned_table: bool = True) -> dict:
-    """Path and launch parameters for an [m, k] x [k, n] product: ``kernel`` is ``gemv``
-    (wna16_gemv.py, CUDA cores), ``mma`` (w4a16_mma.py; only from a tuned table, 16-bit
-    activations) or ``gemm`` (this file's tensor-core kernel), with their block sizes, split-K,
-    warps and stages. A config measured on this GPU (scripts/bench_quant.py --tune and
-    --only tune-mma; quant/kernels/configs/) wins unless ``tuned_table`` is False; otherwise
-    heuristics."""
-    if tuned_table and not has_g_idx and m <= DECODE_MAX_M:
-        cfg = tuned.lookup("wna16", device, shape_key(bits, n, k, group_size), m, CONFIG_DIR)
-        if cfg is not None:
-            return cfg
-    if m == 1 and not has_g_idx:
-        for kp in (16, 8, 4):
-            if gemv_supported(bits, group_size, kp, False):
-                # what the H200 tuning picked for most 8B shapes: 64 columns, 2 warps, enough
-                # splits for ~4 programs per SM
-                block_n = 64
-                tiles = triton.cdiv(n, block_n)
-                k_tiles = triton.cdiv(k, kp * (32 // bits))
-                split = min(triton.next_power_of_2(max(1, 4 * _num_sms(device) // tiles)),
-                            k_tiles, 16)
-                return dict(kernel="gemv", block_n=block_n, block_kp=kp, split_k=split,
-                            num_warps=2, num_stages=3)
-    if m <= DECODE_MAX_M:
-        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = dict(block_m=max(16, triton.next_power_of_2(m)), block_n=128, block_k=64,
-                   num_warps=4, num_stages=4)
-    else:
-        cfg = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    if not has_g_idx and group_size % cfg["block_k"] and group_size >= 16 and (
-            group_size & (group_size - 1)) == 0:
-        cfg["block_k"] = min(cfg["block_k"], group_size)  # keep one group per K tile
-    split = 1
-    if m <= DECODE_MAX_M:
-        tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
-        k_tiles = triton.cdiv(k, cfg["block_k"])
-        want = max(1, 2 * _num_sms(device) // tiles)
-        split = min(triton.next_power_of_2(want), k_tiles, 16)
-    cfg["split_k"] = split
-    cfg["kernel"] = "gemm"
-    return cfg
-
-
 def run_config(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None,
                cfg: dict, gated: bool = False) -> torch.Tensor | None:
@@ -259,7 +208,7 @@ def wna16_matmul_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     m = x.shape[0]
     if m == 0 or group_size <= 0 or m > DECODE_MAX_M:
         return None
-    cfg = _config(x, qweight, bits, group_size, None)
+    cfg = _config(x, qweight, bits, group_size, None, scales=scales, zeros=zeros, gated=True)
     return run_config(x, qweight, scales, zeros, bits, group_size, None, cfg, gated=True)
 
 
@@ -276,21 +225,66 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return x.new_empty(0, qweight.shape[1])
     if m >= dense_min_m:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
-    cfg = _config(x, qweight, bits, group_size, g_idx)
+    cfg = _config(x, qweight, bits, group_size, g_idx, scales=scales, zeros=zeros)
     return run_config(x, qweight, scales, zeros, bits, group_size, g_idx, cfg)
 
 
 def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
-            g_idx: torch.Tensor | None) -> dict:
-    """`pick_config`'s choice for this product's shape and rows, asked once per shape."""
-    key = (x.shape[0], qweight.shape[1], x.shape[1], group_size, g_idx is not None, x.device,
-           bits, x.dtype)
+            g_idx: torch.Tensor | None, *, scales: torch.Tensor | None = None,
+            zeros: torch.Tensor | None = None, gated: bool = False) -> dict:
+    """The config of this product's shape and rows, chosen once per shape, rows, device and
+    activation dtype: a table's entry, else (CUDA, decode sizes, no g_idx, the weights given)
+    the autotuner's pick of the rule's candidates timed on these weights (core/kernels/
+    autotune.py; ``gated``: as the gate/up product runs, SiLU-and-mul included), else the rule
+    (quant/kernels/wna16_configs.py). The first call of a shape decides for both uses."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    act16 = x.dtype in _ACT16
+    key = (m, n, k, group_size, g_idx is not None, x.device, bits, x.dtype)
     cfg = _chosen.get(key)
-    if cfg is None:  # first product of this shape: heuristics or the tuned table, once
-        cfg = pick_config(*key[:-1])
-        if cfg.get("kernel") == "mma" and x.dtype not in _ACT16:
-            cfg = pick_config(*key[:-1], tuned_table=False)  # fp32 activations: no MMA path
-        if cfg.get("half2") and (x.dtype not in _ACT16 or not half2_allowed()):
-            cfg = {**cfg, "half2": 0}  # fp32 activations (or the env) keep fp32 fields
-        _chosen[key] = cfg
+    if cfg is not None:
+        return cfg
+    if g_idx is None and m <= DECODE_MAX_M and x.is_cuda and scales is not None:
+        cfg = _autotuned(x, qweight, scales, zeros, bits, group_size, act16, gated)
+    else:
+        cfg = pick_config(m, n, k, group_size, g_idx is not None, x.device, bits, act16=act16)
+    if cfg.get("kernel") == "mma" and not act16:  # fp32 activations: no MMA path
+        cfg = pick_config(m, n, k, group_size, g_idx is not None, x.device, bits,
+                          tuned_table=False)
+    if cfg.get("half2") and (not act16 or not half2_allowed()):
+        cfg = {**cfg, "half2": 0}  # fp32 activations (or the env) keep fp32 fields
+    _chosen[key] = cfg
     return cfg
+
+
+def _autotuned(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, bits: int, group_size: int, act16: bool,
+               gated: bool) -> dict:
+    """`autotune.choose` for a decode-size product without g_idx; ``gated``: each candidate
+    timed as the gate/up product runs (its gated epilogue, or the product then the SiLU-and-mul
+    kernel), as scripts/bench_quant.py tunes GATED_SHAPES."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    sms = num_sms(x.device)
+    allow_h2 = act16 and half2_allowed()
+
+    def candidates(rows: int) -> list[dict]:
+        return wna16_configs.candidates(rows, n, k, group_size, False, sms, bits, allow_h2)
+
+    def bench(rows: int):
+        from pagebatch.kernels.activation import silu_and_mul
+
+        xb = torch.randn(rows, k, device=x.device, dtype=x.dtype)
+        ref = xb @ wna16_dequantize(qweight, scales, zeros, bits, group_size, None, x.dtype)
+
+        def run(cfg: dict) -> torch.Tensor:
+            out = run_config(xb, qweight, scales, zeros, bits, group_size, None, cfg,
+                             gated=gated)
+            if out is None:  # no gated epilogue: the product, then the activation kernel
+                out = silu_and_mul(run_config(xb, qweight, scales, zeros, bits, group_size,
+                                              None, cfg))
+            return out
+        return run, silu_and_mul(ref) if gated else ref
+
+    return autotune.choose("wna16", x.device, shape_key(bits, n, k, group_size), m,
+                           CONFIG_DIR, candidates, bench)
