@@ -27,10 +27,12 @@ import logging
 import sys
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
-from pagebatch.bench.kernel_split import STEP_MARK, breakdown, category, kernels_from_events
+from pagebatch.bench.kernel_split import (STEP_MARK, breakdown, category, kernels_from_events,
+                                          trace_events)
 from pagebatch.bench.offline import run_workload, sampling_params_of
 from pagebatch.bench.roofline import (H200_PEAK_BW, H200_PEAK_FLOPS, HOST, ModelShape,
                                       StepShape, run_floors, step_totals, table)
@@ -157,8 +159,31 @@ def _summary(r: dict) -> str:
             f"{r['unattributed_kernels']} to none{warn})")
 
 
+def replay(trace: str, json_path: str, prefill_steps: int | None) -> int:
+    """The split again from an exported trace of a whole run (--trace with no --trace-steps)
+    and that run's --json: the wall, floors and step kinds from the JSON (``step_has_prefill``;
+    for a JSON written before it, ``prefill_steps``: the run's first N steps had prefill)."""
+    with open(json_path) as f:
+        r = json.load(f)
+    got = kernels_from_events(trace_events(trace))
+    flags = r.get("step_has_prefill") or [i < (prefill_steps or 0)
+                                          for i in range(got.num_windows)]
+    steps = [SimpleNamespace(has_prefill=p) for p in flags]
+    measured = breakdown(got.kernels, steps, r["wall_split_s"])
+    print(f"replay of {trace}: {len(got.kernels)} kernels, {got.num_windows} steps "
+          f"({sum(flags)} with prefill), {got.num_launch_attributed} tied to a step by their "
+          f"launch, {got.num_acausal} launched after they started")
+    print(json.dumps({"measured_s": measured, "top_kernels": _top(got.kernels, steps)},
+                     indent=1)[:3000])
+    print(table(measured, r["floors"], r["wall_split_s"], r["output_tokens"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    own, rest = _own_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--replay":  # --replay TRACE JSON [PREFILL_STEPS]
+        return replay(argv[1], argv[2], int(argv[3]) if len(argv) > 3 else None)
+    own, rest = _own_args(argv)
     args = build_parser().parse_args(["bench", "throughput", *rest])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     config = _config_from_args(args)
@@ -206,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "unattributed_kernels": sum(k.step is None for k in rec.kernels),
         "kernels_launched_after_start": rec.acausal,
         "top_kernels": _top(rec.kernels, rec.steps),
+        "step_has_prefill": [s.has_prefill for s in rec.steps],
     }
     if own.json:
         with open(own.json, "w") as f:

@@ -231,5 +231,39 @@ def test_activity_without_activity_type():
 
     kinds = [activity(Event(n, d)) for n, d in [
         ("void gemm", "DeviceType.CUDA"), ("cudaLaunchKernel", "DeviceType.CPU"),
-        (STEP_MARK, "DeviceType.CPU"), ("aten::mm", "DeviceType.CPU")]]
-    assert kinds == ["kernel", "cuda_runtime", "user_annotation", "cpu_op"]
+        (STEP_MARK, "DeviceType.CPU"), ("aten::mm", "DeviceType.CPU"),
+        (STEP_MARK, "DeviceType.CUDA")]]  # the GPU's mirror of the step mark: no kernel
+    assert kinds == ["kernel", "cuda_runtime", "user_annotation", "cpu_op",
+                     "gpu_user_annotation"]
+
+
+def test_a_chrome_trace_replays_into_the_split(tmp_path):
+    """An exported trace (two steps: a prefill GEMM, then a decode attention kernel, and the
+    GPU's mirror of the step marks, which is no kernel) splits as the live run does."""
+    import gzip
+
+    from pagebatch.bench.kernel_split import kernels_from_events, trace_events
+
+    ev = [{"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 0, "dur": 10,
+           "args": {"External id": 1}},
+          {"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 20, "dur": 10,
+           "args": {"External id": 2}},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1,
+           "args": {"correlation": 7}},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 21, "dur": 1,
+           "args": {"correlation": 8}},
+          {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 5, "dur": 30,
+           "args": {"correlation": 7}},
+          {"ph": "X", "cat": "kernel", "name": "paged_attention_kernel", "ts": 40, "dur": 5,
+           "args": {"correlation": 8}},
+          {"ph": "X", "cat": "gpu_user_annotation", "name": STEP_MARK, "ts": 5, "dur": 40,
+           "args": {}}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    got = kernels_from_events(trace_events(str(path)))
+    assert got.num_windows == 2 and got.num_launch_attributed == 2
+    steps = [SimpleNamespace(has_prefill=True), SimpleNamespace(has_prefill=False)]
+    m = breakdown(got.kernels, steps, wall_s=60e-6)
+    assert m[GEMM_PREFILL] == pytest.approx(30e-6) and m[ATTN_DECODE] == pytest.approx(5e-6)
+    assert m[OTHER] == 0.0 and m[HOST] == pytest.approx(25e-6)
