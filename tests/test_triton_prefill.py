@@ -152,6 +152,25 @@ def test_mixed_step_launches_decodes_in_decode_tiles(monkeypatch):
     assert not paged.launches and len(prefill.launches) == 1
 
 
+def test_chunks_over_a_long_cached_prefix_take_the_paged_kernel(monkeypatch):
+    """Past PREFILL_KERNEL_MAX_CONTEXT x the chunk, a prefill reads mostly cached keys: the
+    paged kernel takes it (it reads the cache faster); a forced prefill config still runs the
+    prefill kernel."""
+    from pagebatch.plugins.attention import prefill_kernel as pk
+    from pagebatch.plugins.attention import triton_backend as tb
+    from pagebatch.plugins.attention import triton_kernels as tk
+
+    paged, prefill = _Spy(tk.paged_attention_kernel), _Spy(pk.prefill_attention_kernel)
+    monkeypatch.setattr(tk, "paged_attention_kernel", paged)
+    monkeypatch.setattr(pk, "prefill_attention_kernel", prefill)
+    monkeypatch.setitem(BATCHES, "long", ([5], [5 * tb.PREFILL_KERNEL_MAX_CONTEXT + 1]))
+    _check("long", 8, 2, 64, 16, DTYPES[0])
+    assert len(paged.launches) == 1 and not prefill.launches
+    monkeypatch.setitem(BATCHES, "long", ([5], [5 * tb.PREFILL_KERNEL_MAX_CONTEXT]))
+    _check("long", 8, 2, 64, 16, DTYPES[0])
+    assert len(paged.launches) == 1 and len(prefill.launches) == 1
+
+
 def test_batch_parts():
     from pagebatch.attention import AttentionMetadata, BatchPart
 
