@@ -14,6 +14,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # tests/test_autotune.py turns it on where it tests it)
 os.environ.setdefault("PAGEBATCH_AUTOTUNE", "0")
 
+
+class _NoTriton:
+    """A meta path finder that refuses Triton: tests/test_without_triton.py runs a selection
+    with ``PAGEBATCH_TEST_NO_TRITON=1``, as in the README's main set-up (no Triton)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (PAGEBATCH_TEST_NO_TRITON=1)")
+        return None
+
+
+if os.environ.get("PAGEBATCH_TEST_NO_TRITON") == "1":
+    import sys
+
+    sys.meta_path.insert(0, _NoTriton())
+
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

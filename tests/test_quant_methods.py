@@ -366,6 +366,7 @@ def test_int8_fp8_cuda_paths(kind, k, n, m):
 def test_half2_configs_only_for_16bit_activations(monkeypatch):
     """A tuned ``half2`` GEMV config is used as it is for bf16/fp16 activations; fp32
     activations, or ``PAGEBATCH_W4A16_HALF2=0``, keep the fp32 fields (no kernel runs here)."""
+    pytest.importorskip("triton")
     from pagebatch.quant.kernels import wna16
 
     cfg = dict(kernel="gemv", block_n=64, block_kp=16, split_k=4, half2=1)

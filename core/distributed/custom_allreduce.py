@@ -27,10 +27,10 @@ def create_one_shot(group: Any, hidden: int, dtype: torch.dtype, device: torch.d
     """The one-shot all-reduce of this rank over ``group`` (a NCCL process group on CUDA
     devices) for ``[rows, hidden]`` inputs of ``dtype``, or None (with a logged reason) where
     it cannot be set up. Collective: every rank of the group calls it."""
+    if device.type != "cuda":  # (before the import: the CPU set-up has no Triton)
+        return None
     from ..kernels.allreduce import OneShotAllReduce
 
-    if device.type != "cuda":
-        return None
     rows = one_shot_rows(hidden, dtype)
     world = dist.get_world_size(group)
     try:
