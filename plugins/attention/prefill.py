@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from pagebatch.attention import AttentionMetadata, BatchPart
-from pagebatch.kernels import pdl
 
 TMA_OFF, TMA_HOST, TMA_DEVICE = 0, 1, 2
 _fitting_stages: dict = {}  # (default config, device) -> stages that fit, where fewer did
@@ -152,7 +151,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, TMA=tma,
         WARP_SPECIALIZE=ws, DOT_PRECISION=precision, SKIP_DECODES=not part.pure,
-        ROPE=rope is not None, num_warps=cfg.num_warps, **pdl.launch_options(query.device))
+        ROPE=rope is not None, num_warps=cfg.num_warps, **launch_options(query.device))
     while True:
         try:
             pk.prefill_attention_kernel[(num_q_blocks * hkv,)](*args, **consts,
@@ -163,3 +162,11 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
                 raise
             stages -= 1
             _fitting_stages[(cfg, query.device)] = stages
+
+
+def launch_options(device: torch.device) -> dict:
+    """core/kernels/pdl.py's launch options, imported at launch: that module imports Triton,
+    which a CPU set-up that only loads the triton plugin (every start does) need not have."""
+    from pagebatch.kernels import pdl
+
+    return pdl.launch_options(device)

@@ -21,9 +21,9 @@ import torch
 from pagebatch.attention import (FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend,
                                  AttentionMetadata, BatchPart)
 from pagebatch.hookspecs import hookimpl
-from pagebatch.kernels import num_sms, pdl
+from pagebatch.kernels import num_sms
 
-from .prefill import PrefillConfig, prefill_attention
+from .prefill import PrefillConfig, launch_options as _launch_options, prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key, value, kv_cache[0], kv_cache[1], slot_mapping, pos, cos_sin, key.stride(0),
         value.stride(0), float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
         ROW=row, BLOCK=block, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, ROPE=rope is not None,
-        HEAD_DIM=d, STORE_ROTATED=store, num_warps=4, **pdl.launch_options(key.device))
+        HEAD_DIM=d, STORE_ROTATED=store, num_warps=4, **_launch_options(key.device))
     if store and key is not given:
         given.copy_(key)
 
@@ -238,13 +238,13 @@ def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None, KIND=kind,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(query.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(query.device))
     if splits > 1 and cnt is None:
         rows = out[part.tok_begin:part.tok_end]
         tk.reduce_splits_kernel[(n, hq)](
             rows, part_acc, part_ml, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits),
-            num_warps=4, **pdl.launch_options(query.device))
+            num_warps=4, **_launch_options(query.device))
 
 
 class TritonBackend(AttentionBackend):
@@ -286,3 +286,4 @@ class TritonBackend(AttentionBackend):
 @hookimpl
 def register_attention_backends(register):
     register("triton", TritonBackend)
+
