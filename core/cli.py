@@ -10,6 +10,7 @@ Engine keys are options of every engine subcommand (``--max-num-seqs 64``) and k
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from typing import Sequence
@@ -54,17 +55,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     SamplingParams(**given).validate()  # before the model loads
     engine = LLMEngine(config)
     params = SamplingParams(**{**engine.sampling_defaults, **given})
+    rids = []  # every prompt is queued before the first step: they batch together
     for text in args.prompt:
         prompt = (engine.chat_prompt([{"role": "user", "content": text}]) if args.chat
                   else text)
-        rid = engine.add_request(prompt, params)
-        final = None
-        while engine.has_unfinished_requests:
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    final = out
-        if final is not None:
-            print(final.outputs[0].text, flush=True)
+        rids.append(engine.add_request(prompt, params))
+    final: dict[str, str] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].text
+    for rid in rids:  # in the order given
+        print(final.get(rid, ""), flush=True)
     return 0
 
 
@@ -84,13 +86,54 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _config_from_args(args))
 
 
+_ARGV: list[str] = []  # the command line being parsed, for `_Parser.error`'s hints
+
+
 class _Parser(argparse.ArgumentParser):
     """No abbreviated long options (``--max-num-seq`` must not mean ``--max-num-seqs``: a typo
-    gets argparse's error instead); subcommand parsers are of this class too."""
+    gets an error instead); an error names each unknown ``--flag`` of the command line with the
+    closest option of its subcommand (did you mean ...?), as a mistyped config key gets.
+    Subcommand parsers are of this class too."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # (subparsers get parse_known_args)
+        _ARGV[:] = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str):
+        hints = unknown_flag_hints(_parsers_on_path(self, _ARGV), _ARGV)
+        if hints and message.startswith("unrecognized arguments"):
+            message = ""  # the hints name them
+        super().error("; ".join(hints + [message] if message else hints) or message)
+
+
+def _parsers_on_path(parser: argparse.ArgumentParser,
+                     argv: list[str]) -> list[argparse.ArgumentParser]:
+    """``parser`` and the subcommand parsers that ``argv`` selects under it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for tok in argv:
+                if tok in action.choices:
+                    return [parser, *_parsers_on_path(action.choices[tok], argv)]
+    return [parser]
+
+
+def unknown_flag_hints(parsers: list[argparse.ArgumentParser], argv: list[str]) -> list[str]:
+    """"unknown option '--promt'; did you mean '--prompt'?" for each ``--flag`` of ``argv``
+    that none of ``parsers`` knows (a value after ``=`` ignored)."""
+    known = {s for p in parsers for s in p._option_string_actions}
+    longs = sorted(s for s in known if s.startswith("--"))
+    hints = []
+    for tok in argv:
+        flag = tok.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag, longs, n=1, cutoff=0.6)
+            hints.append(f"unknown option {flag!r}"
+                         + (f"; did you mean {close[0]!r}?" if close else ""))
+    return hints
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -378,7 +378,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value, "
                           f"not {type(data).__name__}")
-    return {normalize_key(k): v for k, v in data.items()}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = normalize_key(k)
+        if key in out:
+            first = next(raw for raw in data if normalize_key(raw) == key)
+            raise ConfigError(f"config file {str(path)!r} gives key {key!r} twice, as "
+                              f"{first!r} and {k!r}")
+        out[key] = v
+    return out
 
 
 def add_cli_options(parser: argparse.ArgumentParser, options: Sequence[ConfigOption]) -> None:

@@ -496,3 +496,29 @@ def test_async_engine_streams_n_samples_with_stop_strings_and_logprobs(tiny_mode
     assert len(final.prompt_logprobs) == len(p["prompt_token_ids"])
     for o in outs:
         assert all(want.startswith(c.text) for c in o.outputs)
+
+
+def test_cli_generate_batches_several_prompts_and_prints_each(tiny_model_dir, capsys,
+                                                             monkeypatch):
+    """`pagebatch generate` with several --prompt: all are queued before the first step (one
+    batch) and each output is printed, in the order given, equal to its own run alone."""
+    from pagebatch.cli import main
+    from pagebatch.engine import LLMEngine
+
+    steps = []
+    step = LLMEngine.step
+
+    def spy(self):
+        steps.append(1)
+        return step(self)
+
+    common = ["generate", str(tiny_model_dir), "--device", "cpu", "--num-kv-blocks", "64",
+              "--temperature", "0", "--max-tokens", "4", "--ignore-eos"]
+    alone = []
+    for p in ("w5 w6", "w7"):
+        assert main(common + ["--prompt", p]) == 0
+        alone.append(capsys.readouterr().out)
+    monkeypatch.setattr(LLMEngine, "step", spy)
+    assert main(common + ["--prompt", "w5 w6", "--prompt", "w7"]) == 0
+    assert capsys.readouterr().out == alone[0] + alone[1]
+    assert len(steps) <= 4 + 1  # both decode in the same steps, not one after the other
