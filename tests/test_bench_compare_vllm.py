@@ -91,9 +91,15 @@ def test_throughput_runs_the_same_workload_with_the_same_limits(tiny_model_dir, 
 
 def test_latency_times_a_first_token_and_a_full_run(tiny_model_dir, tmp_path):
     proc = _bench(tiny_model_dir, tmp_path, "latency", "--input-len", "6", "--output-len", "5",
-                  "--num-iters", "2")
+                  "--num-iters", "2", "--gpu-cost-per-hour", "3.6")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    other = json.loads((tmp_path / "out.json").read_text())["results"][1]
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    for r in results:  # --gpu-cost-per-hour: priced at the batch-1 decode rate, each engine
+        assert r["gpu_cost_per_hour"] == 3.6
+        assert r["cost_per_1m_output_tokens"] == 3.6 / (r["decode_tok_s"] * 3600) * 1e6
+        assert f"{r['engine']}: ${r['cost_per_1m_output_tokens']:.4f} per 1M output tokens" \
+            in proc.stdout
+    other = results[1]
     # the stand-in takes 10 ms a token: TTFT about 10 ms, about 100 tokens per second after it
     assert 0.009 < other["ttft_s"] < 0.5 and 50 < other["decode_tok_s"] < 150
     recs = [json.loads(line) for line in (tmp_path / "vllm.jsonl").read_text().splitlines()]

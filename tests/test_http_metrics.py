@@ -63,6 +63,7 @@ def test_metrics_after_known_traffic(client, http):
         assert re.search(rf"^pagebatch:{name}\{{.*model_name=\"{MODEL}\"", text, re.M), name
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert metric(http, "pagebatch:" + gauge) == 0, gauge  # idle again
+    assert "vllm:" not in text  # metrics_vllm_names is off by default
 
 
 def test_prefix_cache_metrics(client, http):

@@ -4,7 +4,8 @@ throughput: N prompts of random token ids (workload.py), EOS ignored, greedy; re
 tokens per second over the whole run. latency: one request at a time; reports decode tokens per
 second (output tokens after the first, over the time after the first) and TTFT. Both optionally
 side by side with another engine on the same workload, in a separate process (``--compare hf``:
-hf.py; ``--compare vllm``: vllm.py). prefix: prefix.py; serve: serve.py (drives a server, no engine keys).
+hf.py; ``--compare vllm``: vllm.py). prefix: prefix.py; serve: serve.py (drives a server, no
+engine keys). ``--gpu-cost-per-hour USD`` adds the cost per 1M output tokens (cost.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from ..config import EngineConfig, parse_int
 from ..request import SamplingParams
 from . import hf, vllm
+from .cost import add_cost_argument, cost_fields, cost_line
 from .offline import bench_pagebatch
 from .prefix import add_prefix_bench_args, run_prefix_bench
 from .serve import add_serve_bench_parser
@@ -69,6 +71,7 @@ def add_bench_parser(sub, add_engine_args, func) -> None:
                        "(transformers generate), vllm (vLLM's offline LLM, when importable)")
         p.add_argument("--hf-batch-size", type=_at_least(1), default=None,
                        help="transformers static batch size (default: all prompts at once)")
+        add_cost_argument(p)
         p.add_argument("--output", metavar="JSON", help="write results as JSON")
         p.set_defaults(func=func)
 
@@ -101,12 +104,20 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         if isinstance(other, int):
             return other
         results.append(other)
+    for r in results:
+        r.update(cost_fields(args.gpu_cost_per_hour, priced_tok_s(r)))
     _print_table(args, results)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
                        "config": config.to_dict(), "results": results}, f, indent=2)
     return 0
+
+
+def priced_tok_s(result: dict[str, Any]) -> float:
+    """The output tokens per second a result's cost is priced at: throughput's
+    ``output_tok_s``; latency's ``decode_tok_s`` (one request at a time)."""
+    return result.get("output_tok_s") or result.get("decode_tok_s") or 0.0
 
 
 def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
@@ -131,3 +142,6 @@ def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
     if len(results) > 1:
         other = results[1].get("output_tok_s") or results[1].get("decode_tok_s")
         print(f"pagebatch / {results[1]['engine']}: {base / other:.2f}x")
+    if args.gpu_cost_per_hour is not None:
+        for r in results:
+            print(cost_line(args.gpu_cost_per_hour, priced_tok_s(r), r["engine"]))

@@ -1,12 +1,14 @@
 """``pagebatch bench serve --base-url URL``: a load generator for any OpenAI-compatible server
-(pagebatch serve, vllm serve, ...), in the manner of vLLM's ``benchmark_serving``.
+(pagebatch serve, vllm serve, ...), in the manner of ``vllm bench serve``.
 
-Random prompts of ``--input-len`` tokens (token-id prompts on /v1/completions, or text of as
-many random words with ``--prompt-kind text``), ``--output-len`` tokens each with ``ignore_eos``,
-all streamed. Requests arrive as a Poisson process of ``--request-rate`` per second (``inf``:
-all at once), optionally capped at ``--max-concurrency`` in flight. Reports request and token
-throughput and TTFT / TPOT / ITL / end-to-end latency mean, median and p99 as a table, and as
-JSON with ``--output`` (serve_metrics.py). Needs only httpx (async).
+A seeded dataset (serve_dataset.py: mixed lengths with ``--range-ratio``, a common
+``--shared-prefix-len`` prefix, token-id or text prompts), sent streamed to ``--endpoint`` at
+``--request-rate`` (Poisson, gamma with ``--burstiness``, or ``--arrival constant``;
+arrivals.py), at most ``--max-concurrency`` in flight (serve_client.py). Reports throughputs,
+goodput under ``--goodput`` SLOs and TTFT / TPOT / ITL / E2EL stats (serve_metrics.py), a table
+(serve_report.py), JSON (``--output``), the cost per 1M output tokens (``--gpu-cost-per-hour``,
+cost.py); ``--rates 1,2,4,inf`` runs one after another and ``--plot FILE.png`` draws latency
+against load (serve_plot.py). Needs httpx; matplotlib for ``--plot`` only.
 """
 
 from __future__ import annotations
@@ -16,114 +18,140 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
 import time
 from typing import Any
 
-from .serve_metrics import Result, print_table, summarize
+from .arrivals import ARRIVALS, arrival_times, check_rate
+from .cost import add_cost_argument, cost_fields
+from .serve_client import ENDPOINTS, one_request, request_body
+from .serve_dataset import DatasetSpec, ServeRequest, make_dataset
+from .serve_metrics import Result, parse_goodput, parse_percentiles, summarize
+from .serve_report import print_sweep, print_table
 
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this "
-         "have from or one had by word but not what all were we when your can said there use "
-         "an each which she do how their if will up other about out many then them these so "
-         "some her would make like him into time has look two more write go see number no way "
-         "could people my than first water been call who oil its now find long down day did "
-         "get come made may part").split()
+
+def _rate(v: str) -> float:
+    try:
+        return check_rate(float(v))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (got {v!r})") from None
+
+
+def _rates(v: str) -> list[float]:
+    return [_rate(part) for part in v.split(",")]
+
+
+def _arg_type(parse):
+    def wrapped(v: str):
+        try:
+            return parse(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return wrapped
 
 
 def add_serve_bench_parser(bsub) -> None:
     p = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (--base-url)")
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
     p.add_argument("--model", default=None, help="model name (default: the first of "
                    "/v1/models)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY or "
                    "$PAGEBATCH_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prompt-kind", choices=["token-ids", "text"], default="token-ids",
-                   help="token-id prompts (exact input length) or random words")
-    p.add_argument("--vocab-size", type=int, default=32000,
+    d = p.add_argument_group("dataset (seeded: --seed fixes every prompt and length)")
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--input-len", type=int, default=128)
+    d.add_argument("--output-len", type=int, default=64)
+    d.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="mixed lengths: input and output lengths uniform in [L*(1-r), "
+                   "L*(1+r)] (vLLM's random dataset; 0: fixed)")
+    d.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens (words for text) of one prefix common to every prompt")
+    d.add_argument("--prompt-kind", choices=["auto", "token-ids", "text"], default="auto",
+                   help="token-id prompts (exact input length; /v1/completions) or random "
+                   "words; auto: token ids on /v1/completions, text on chat")
+    d.add_argument("--vocab-size", type=int, default=32000,
                    help="token ids are drawn from [min(100, vocab/4), min(vocab, 10000))")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests per second, Poisson arrivals (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None,
+    d.add_argument("--seed", type=int, default=0)
+    a = p.add_argument_group("load")
+    a.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests per second (inf: all at once)")
+    a.add_argument("--rates", type=_rates, default=None, metavar="R,R,...",
+                   help="run once per rate, e.g. 1,2,4,inf (overrides --request-rate); each "
+                   "run has the same lengths, its own tokens")
+    a.add_argument("--arrival", choices=ARRIVALS, default="poisson",
+                   help="poisson: gamma gaps of shape --burstiness (1: Poisson); constant: "
+                   "request i at i / rate")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps (vLLM's flag): <1 burstier, >1 steadier")
+    a.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--output", metavar="JSON", help="write the results as JSON")
+    a.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    o = p.add_argument_group("report")
+    o.add_argument("--percentiles", type=_arg_type(parse_percentiles), default=(50.0, 90.0,
+                   99.0), metavar="P,P,...", help="latency percentiles (default 50,90,99)")
+    o.add_argument("--goodput", nargs="+", type=str, default=None, metavar="METRIC:MS",
+                   help="SLOs, e.g. ttft:500 itl:50 (ms; ttft, tpot, itl (a request's "
+                   "longest gap), e2el): goodput = requests/s meeting all of them")
+    add_cost_argument(o)
+    o.add_argument("--output", metavar="JSON", help="write the results as JSON")
+    o.add_argument("--plot", metavar="PNG", help="plot latency against load (matplotlib)")
     p.set_defaults(func=run_serve_bench)
 
 
-def make_prompts(args: argparse.Namespace) -> list[Any]:
-    rng = random.Random(args.seed)
-    if args.prompt_kind == "text":
-        return [" ".join(rng.choice(WORDS) for _ in range(args.input_len))
-                for _ in range(args.num_prompts)]
-    hi = min(args.vocab_size, 10000)
-    lo = min(100, args.vocab_size // 4)
-    return [[rng.randrange(lo, hi) for _ in range(args.input_len)]
-            for _ in range(args.num_prompts)]
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    kind = args.prompt_kind
+    if kind == "auto":
+        kind = "text" if args.endpoint.endswith("/chat/completions") else "token-ids"
+    return DatasetSpec(num_prompts=args.num_prompts, input_len=args.input_len,
+                       output_len=args.output_len, range_ratio=args.range_ratio,
+                       shared_prefix_len=args.shared_prefix_len,
+                       token_ids=kind == "token-ids", vocab_size=args.vocab_size,
+                       seed=args.seed)
 
 
-async def one_request(client: Any, url: str, body: dict[str, Any], input_len: int) -> Result:
-    res = Result(prompt_tokens=input_len)
+async def _send_all(client: Any, args: argparse.Namespace, model: str,
+                    requests: list[ServeRequest], rate: float) -> tuple[list[Result], float]:
+    """Send ``requests`` on the schedule of ``rate``; (their results, the run's seconds)."""
+    times = arrival_times(len(requests), rate, args.arrival, args.burstiness, args.seed)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def send(req: ServeRequest) -> Result:
+        body = request_body(args.endpoint, model, req, args.temperature, args.ignore_eos)
+        if sem is None:
+            return await one_request(client, args.endpoint, body, req.prompt_len)
+        async with sem:
+            return await one_request(client, args.endpoint, body, req.prompt_len)
+
     start = time.perf_counter()
-    last = None
-    chunks = 0
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"])[:300]
-                    return res
-                usage = obj.get("usage")
-                if usage:
-                    res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
-                    res.output_tokens = usage.get("completion_tokens", 0)
-                if obj.get("choices"):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    chunks += 1
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.latency = time.perf_counter() - start
-    res.output_tokens = res.output_tokens or chunks
-    res.ok = last is not None
-    if not res.ok:
-        res.error = "no output"
-    return res
+    tasks = []
+    for t, req in zip(times, requests):
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(send(req)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
 
 
-async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+async def run_load(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One result per rate (``--rates``, else ``--request-rate``)."""
     import logging
 
     import httpx
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
-
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get(
         "PAGEBATCH_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts or 1,
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts,
                           max_keepalive_connections=args.max_concurrency or 100)
+    spec = dataset_spec(args)
+    slos = parse_goodput(args.goodput) if args.goodput else None
+    rates = args.rates or [args.request_rate]
+    runs = []
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  timeout=args.timeout, limits=limits) as client:
         model = args.model
@@ -131,45 +159,61 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
             r = await client.get("/v1/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        prompts = make_prompts(args)
-        rng = random.Random(args.seed + 1)
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        for i, rate in enumerate(rates):
+            requests = make_dataset(spec, variant=i if len(rates) > 1 else 0)
+            results, duration = await _send_all(client, args, model, requests, rate)
+            out = summarize(results, duration, args.percentiles, slos)
+            out.update(model=model, base_url=args.base_url, endpoint=args.endpoint,
+                       num_prompts=spec.num_prompts, input_len=spec.input_len,
+                       output_len=spec.output_len, range_ratio=spec.range_ratio,
+                       shared_prefix_len=spec.shared_prefix_len,
+                       prompt_kind="token-ids" if spec.token_ids else "text",
+                       request_rate=rate if math.isfinite(rate) else "inf",
+                       arrival=args.arrival, burstiness=args.burstiness,
+                       max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+                       seed=args.seed,
+                       **cost_fields(args.gpu_cost_per_hour, out["output_token_throughput"]))
+            runs.append(out)
+    return runs
 
-        async def limited(p: Any) -> Result:
-            body = {"model": model, "prompt": p, "max_tokens": args.output_len,
-                    "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            n_in = len(p) if isinstance(p, list) else len(p.split())
-            if sem is None:
-                return await one_request(client, args.endpoint, body, n_in)
-            async with sem:
-                return await one_request(client, args.endpoint, body, n_in)
 
-        start = time.perf_counter()
-        tasks = []
-        for i, p in enumerate(prompts):
-            if i and math.isfinite(args.request_rate) and args.request_rate > 0:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-            tasks.append(asyncio.ensure_future(limited(p)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    out = summarize(list(results), duration)
-    out.update(model=model, base_url=args.base_url, endpoint=args.endpoint,
-               num_prompts=args.num_prompts, input_len=args.input_len,
-               output_len=args.output_len, prompt_kind=args.prompt_kind,
-               request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf",
-               max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos)
-    return out
+def _check(args: argparse.Namespace) -> str | None:
+    """The first bad flag combination, as a message; None when all is well."""
+    try:
+        dataset_spec(args).check()
+        if args.goodput:
+            parse_goodput(args.goodput)
+    except ValueError as e:
+        return str(e)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        return f"--max-concurrency must be >= 1, got {args.max_concurrency}"
+    if not args.burstiness > 0 or math.isinf(args.burstiness):
+        return f"--burstiness must be a finite number > 0, got {args.burstiness}"
+    if args.arrival == "constant" and args.burstiness != 1.0:
+        return "--burstiness shapes poisson arrivals; --arrival constant takes none"
+    if args.prompt_kind == "token-ids" and args.endpoint.endswith("/chat/completions"):
+        return f"{args.endpoint} takes text prompts: --prompt-kind text (or auto)"
+    return None
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        print("error: --num-prompts, --input-len and --output-len must be >= 1",
-              file=sys.stderr)
+    """Run the load; exit status 0 when every request completed, 1 if any failed, 2 for bad
+    flags."""
+    err = _check(args)
+    if err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    result = asyncio.run(run_load(args))
-    print_table(result)
+    runs = asyncio.run(run_load(args))
+    for r in runs:
+        print_table(r)
+    if len(runs) > 1:
+        print_sweep(runs)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if result["failed"] == 0 else 1
+            json.dump(runs[0] if args.rates is None else {"rates": [r["request_rate"] for r in
+                      runs], "runs": runs}, f, indent=2)
+    if args.plot:
+        from .serve_plot import plot_sweep
+
+        plot_sweep(runs, args.plot, title=f"{runs[0]['model']} at {args.base_url}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1

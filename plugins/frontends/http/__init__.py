@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from pagebatch import hookimpl
-from pagebatch.config import ConfigOption, EngineConfig, parse_int
+from pagebatch.config import ConfigOption, EngineConfig, parse_bool, parse_int
 
 
 def _parse_optional_str(v: Any) -> str | None:
@@ -54,6 +54,9 @@ OPTIONS = [
                  "off)", _parse_origins),
     ConfigOption("shutdown_timeout", 30.0, "seconds running requests get to finish on "
                  "SIGTERM before they are aborted", _parse_seconds),
+    ConfigOption("metrics_vllm_names", False, "also serve /metrics under vLLM's names "
+                 "(vllm:num_requests_waiting, ...) for dashboards and autoscalers built for "
+                 "vllm serve", parse_bool),
 ]
 
 

@@ -5,8 +5,9 @@ Two sources: the engine core's `EngineCoreStats` (gauges and engine counters, re
 latest snapshot at scrape time, so they stay true when idle; per-request queue, prefill and
 decode times observed as they arrive on the output thread), and the request handlers (TTFT,
 inter-token latency, end-to-end latency, token counts, finished requests). Each `Metrics` has
-its own CollectorRegistry, so several servers can live in one process (tests).
-docs/observability.md lists each metric.
+its own CollectorRegistry, so several servers can live in one process (tests). With
+``vllm_names`` (the ``metrics_vllm_names`` option) the same series are also served under vLLM's
+``vllm:`` names (vllm_names.py). docs/observability.md lists each metric.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagebatch.engine_core import EngineCoreStats
+
+from .vllm_names import VllmAliases
 
 P = "pagebatch:"
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -57,10 +60,18 @@ class _CoreCollector:
 
 
 class Metrics:
-    def __init__(self, model: str, core_stats: Callable[[], EngineCoreStats | None]) -> None:
+    """The server's series under ``pagebatch:`` (``registry``), and, with ``vllm_names``, their
+    ``vllm:`` copies (``aliases``), for the model ``model`` (the ``model_name`` label)."""
+
+    def __init__(self, model: str, core_stats: Callable[[], EngineCoreStats | None],
+                 vllm_names: bool = False) -> None:
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_CoreCollector(model, core_stats))
+        self.aliases: CollectorRegistry | None = None
+        if vllm_names:
+            self.aliases = CollectorRegistry()
+            self.aliases.register(VllmAliases(self.registry, P))
         r, lab = self.registry, ["model_name"]
 
         def counter(name: str, doc: str, labels: list[str] = lab) -> Any:
@@ -108,4 +119,6 @@ class Metrics:
         self.e2e.observe(e2e)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text format of every series (the vLLM-named copies after)."""
+        text = generate_latest(self.registry)
+        return text if self.aliases is None else text + generate_latest(self.aliases)

@@ -53,6 +53,7 @@ class Settings:
     max_n_per_request: int = 128
     allowed_origins: list[str] = field(default_factory=list)
     shutdown_timeout: float = 30.0
+    metrics_vllm_names: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Settings":
@@ -108,7 +109,8 @@ class Server:
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation_config.json for "
                         "fields a request leaves unset: %s", self.sampling_defaults)
-        self.metrics = Metrics(self.model_name, lambda: engine.core_stats)
+        self.metrics = Metrics(self.model_name, lambda: engine.core_stats,
+                               vllm_names=settings.metrics_vllm_names)
         engine.add_stats_listener(self.metrics.on_core_stats)
         self.draining = False
         self.active: set[str] = set()  # engine request ids of running HTTP requests
