@@ -100,3 +100,83 @@ def test_benchmark_shape_configs_load(shape):
     assert [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
             cfg.num_key_value_heads, head_dim, cfg.intermediate_size, cfg.vocab_size,
             cfg.tie_word_embeddings] == dims
+
+
+# ---- built-in plugins: docs/plugins.md and docs/configuration.md against the registry ---------
+
+def _builtins() -> dict[str, dict[str, list[str]]]:
+    """Built-in plugin name -> what it provides (kind -> names), from the registry."""
+    from pagebatch.registry import registry
+
+    return {i.name: i.provides for i in registry().plugins.values() if i.builtin}
+
+
+def test_plugins_md_names_every_builtin():
+    text = (DOCS / "plugins.md").read_text()
+    para = text.split("The built-ins (", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"`([a-z0-9_]+)`", para)) == set(_builtins())
+
+
+def test_plugins_md_sample_output_is_the_real_output(capsys):
+    """The sample `pagebatch plugins` block holds the built-ins exactly as the command prints
+    them (then one broken third-party example)."""
+    from pagebatch.cli import main
+
+    assert main(["plugins"]) == 0
+    real = capsys.readouterr().out
+    real_builtins = real.split("(third-party)")[0].rsplit("\n", 1)[0] if "(third-party)" in real \
+        else real
+    text = (DOCS / "plugins.md").read_text()
+    sample = text.split("### `pagebatch plugins`", 1)[1].split("```", 2)[1].strip("\n")
+    sample_builtins = "\n".join(line for line in sample.splitlines()
+                                if "(third-party)" not in line and "BROKEN" not in line)
+    real_lines = [line for line in real_builtins.splitlines()]
+    assert sample_builtins.splitlines() == real_lines[:len(sample_builtins.splitlines())]
+    assert len(sample_builtins.splitlines()) == len(real_lines), "built-ins missing"
+
+
+@pytest.mark.parametrize("key, kind", [("scheduling_policy", "scheduling_policy"),
+                                       ("quantization", "quant_method"),
+                                       ("attention_backend", "attention_backend")])
+def test_configuration_md_names_the_builtins_of_each_plugin_key(key, kind):
+    text = (DOCS / "configuration.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
+    names = {n for p in _builtins().values() for n in p.get(kind, [])}
+    missing = sorted(n for n in names if f"`{n}`" not in row)
+    assert not missing, f"{key}: built-ins {missing} not named in docs/configuration.md"
+
+
+def test_builtin_plugins_config_keys_are_documented_with_their_defaults():
+    from pagebatch.registry import registry
+
+    text = (DOCS / "configuration.md").read_text() + (DOCS / "serving.md").read_text()
+    for opt in registry().config_options().values():
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{opt.name}` |")),
+                   None)
+        assert row is not None, f"plugin key {opt.name} is in no table of the docs"
+        cell = re.match(r"^\| `[^`]*` \| `([^`]*)` \|", row)
+        assert cell and yaml.safe_load(cell.group(1)) == opt.default, (opt.name, row[:80])
+
+
+def test_example_plugin_readme_matches_the_plugin():
+    """The out-of-tree example's README: its flags are the plugin's config keys, its install
+    line targets the README's .venv."""
+    import importlib.util
+
+    folder = ROOT / "examples" / "plugin-shortest-first"
+    spec = importlib.util.spec_from_file_location(
+        "_example_plugin", folder / "pagebatch_shortest_first" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    keys = []
+    mod.register_config_options(lambda opt: keys.append(opt.name))
+    policies = []
+    mod.register_scheduling_policies(lambda name, cls: policies.append(name))
+    readme = (folder / "README.md").read_text()
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    engine = {o.name for o in EngineConfig.core_options()}
+    for flag in re.findall(r"--([a-z][a-z0-9-]+)", block):
+        name = flag.replace("-", "_")
+        assert name in keys or name in engine or name in ("no_deps", "prompt"), flag
+    assert f"--scheduling-policy {policies[0]}" in block
+    assert ".venv/bin/pip install" in block and ".venv/bin/pagebatch" in block
