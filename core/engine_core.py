@@ -135,7 +135,8 @@ class EngineCore:
         self._batch_queue: deque[_InFlight] = deque()
         self._max_in_flight = self.executor.max_concurrent_batches
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
-                                       enable_caching=config.enable_prefix_caching)
+                                       enable_caching=config.enable_prefix_caching,
+                                       sliding_window=setup.sliding_window)
         policy = registry.scheduling_policy(config.scheduling_policy)(config)
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    setup.max_num_batched_tokens,
@@ -202,7 +203,7 @@ class EngineCore:
             return []
         bs, total = self.kv_cache.block_size, self.kv_cache.num_blocks
         out = [EngineCoreOutput(r.request_id, [], FinishReason.ERROR.value,
-                                f"request needs {-(-r.num_tokens // bs)} KV cache blocks of {bs} "
+                                f"request needs {sched.max_blocks_held(r)} KV cache blocks of {bs} "
                                 f"tokens; the whole cache has {total}")
                for r in sched.rejected]
         sched.rejected.clear()
