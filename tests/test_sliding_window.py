@@ -193,14 +193,13 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_greedy_matches_transformers_past_the_window(mistral_swa, setting):
+def check_greedy(mistral_swa, setting, **engine):
     from numerics import assert_greedy_match, hf_greedy
     from pagebatch import LLM, SamplingParams
 
     folder, hf = mistral_swa
-    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=BS, max_num_seqs=3,
-              max_model_len=256, **SETTINGS[setting])
+    llm = LLM(str(folder), dtype="float32", block_size=BS, max_num_seqs=3, max_model_len=256,
+              **SETTINGS[setting], **engine)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = PROMPTS + [PROMPTS[0][:120] + PROMPTS[1][:20]]  # a prefix shared with prompt 0
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -211,6 +210,18 @@ def test_greedy_matches_transformers_past_the_window(mistral_swa, setting):
     if setting == "preempt":
         assert core.scheduler.stats.num_preemptions > 0
     assert core.kv_cache.usage == 0.0
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_greedy_matches_transformers_past_the_window(mistral_swa, setting):
+    check_greedy(mistral_swa, setting, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_swa.sh)")
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_triton_greedy_matches_transformers_on_gpu(mistral_swa, setting):
+    """The triton backend's windowed kernels in the engine (CUDA graphs for decodes)."""
+    check_greedy(mistral_swa, setting, device="cuda", attention_backend="triton")
 
 
 def test_hybrid_qwen2_layers_match_transformers(tmp_path):

@@ -154,7 +154,8 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, TMA=tma,
         WARP_SPECIALIZE=ws, DOT_PRECISION=precision, SKIP_DECODES=not part.pure,
-        ROPE=rope is not None, SLIDING=sliding_window is not None, num_warps=cfg.num_warps, **pdl.launch_options(query.device))
+        ROPE=rope is not None, SLIDING=sliding_window is not None, num_warps=cfg.num_warps,
+        **pdl.launch_options(query.device))
     while True:
         try:
             pk.prefill_attention_kernel[(num_q_blocks * hkv,)](*args, **consts,

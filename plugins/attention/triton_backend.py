@@ -250,7 +250,8 @@ def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None, KIND=kind,
-        SLIDING=sliding_window is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(query.device))
+        SLIDING=sliding_window is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(query.device))
     if splits > 1 and cnt is None:
         rows = out[part.tok_begin:part.tok_end]
         tk.reduce_splits_kernel[(n, hq)](
