@@ -6,14 +6,19 @@
 # 32k tokens each in 20480 KV blocks of 16 tokens (40 GiB bf16): full attention would need
 # 64 x 2048 = 131072 blocks (256 GiB), more than the GPU has; windowed, a decoding request
 # holds at most 4096/16 + 1 = 257 blocks. Prints peak blocks in use, preemptions and tok/s.
-#   device run:  bash scripts/gpu_swa.sh        (files land in $OUT)
+#   device run:  bash scripts/gpu_swa.sh tests   then   bash scripts/gpu_swa.sh bench
+#   (each under the 10-minute limit of one call; no argument runs both; files land in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash scripts/gpu-run true
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+STAGE=${1:-all}
+if [ "$STAGE" != bench ]; then
 timeout 240 python3 -m pytest -q -x tests/test_triton_swa.py tests/test_sliding_window.py \
     -k "not interpreter" 2>&1 | tail -4
+fi
+[ "$STAGE" = tests ] && exit 0
 M="examples/configs/mistral-7b-v0.1 --load-format dummy --block-size 16 --num-kv-blocks 20480"
 # a quick look first (16 x 8k), then the done-when workload (64 x 32k; warm-up + one timed run)
 timeout 150 python3 -m pagebatch.cli bench throughput $M --max-model-len 8192 \
