@@ -132,6 +132,12 @@ class AttentionBackend(ABC):
     # prefill's keys of this same step can be read contiguously instead of through the block
     # tables. Passed only to backends that set it
     accepts_new_kv: bool = False
+    # True when `forward` takes ``sliding_window=W`` (an int, tokens; passed only to layers that
+    # have one): the token at position i then attends to the keys j with i - W < j <= i
+    # (transformers' ``sliding_window_overlay`` and the causal mask), and must read no block of
+    # the block table wholly below the first query's window: the block manager may have handed
+    # those blocks to another request (their entries may be the null block, or stale ids)
+    supports_sliding_window: bool = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -135,7 +135,8 @@ class EngineCore:
         self._batch_queue: deque[_InFlight] = deque()
         self._max_in_flight = self.executor.max_concurrent_batches
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
-                                       enable_caching=config.enable_prefix_caching)
+                                       enable_caching=config.enable_prefix_caching,
+                                       sliding_window=setup.sliding_window)
         policy = registry.scheduling_policy(config.scheduling_policy)(config)
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    setup.max_num_batched_tokens,
@@ -146,11 +147,15 @@ class EngineCore:
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
+        # a decoding request of max_model_len tokens holds this many blocks (fewer with a window)
+        per_request = self.kv_cache.max_blocks_held(max_model_len, 1)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); maximum "
-                    "concurrency at max_model_len=%d: %.2fx", num_blocks, config.block_size,
+                    "concurrency at max_model_len=%d: %.2fx%s", num_blocks, config.block_size,
                     tokens, num_blocks * self.runner.kv_bytes_per_block / 2**30,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."), max_model_len,
-                    tokens / max_model_len)
+                    self.kv_cache.num_blocks / per_request,
+                    f" (sliding window {setup.sliding_window}: {per_request} blocks a request)"
+                    if setup.sliding_window else "")
 
     @classmethod
     def from_config(cls, config: EngineConfig, registry: Registry | None = None,
@@ -202,7 +207,7 @@ class EngineCore:
             return []
         bs, total = self.kv_cache.block_size, self.kv_cache.num_blocks
         out = [EngineCoreOutput(r.request_id, [], FinishReason.ERROR.value,
-                                f"request needs {-(-r.num_tokens // bs)} KV cache blocks of {bs} "
+                                f"request needs {sched.max_blocks_held(r)} KV cache blocks of {bs} "
                                 f"tokens; the whole cache has {total}")
                for r in sched.rejected]
         sched.rejected.clear()

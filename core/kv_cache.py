@@ -13,6 +13,16 @@ longest run of cached blocks matching its prompt (ref count + 1) and computes on
 Freed blocks keep their hash and go to the back of a doubly linked free queue in LRU order with
 O(1) removal (vLLM's ``FreeKVCacheBlockQueue``); they are evicted lazily, only when handed out
 again, and can be revived by a hit until then.
+
+Sliding-window attention (every layer windowed, ``sliding_window`` set; core/kv_window.py has
+the rule): blocks that fell wholly behind the window go back to the free queue as the request
+advances, hashed as they are, so that they stay prefix-cache hits until evicted (a hit can
+only find a block whose content is still there: eviction drops the hash). Their entries in the
+block table become the *null block* (vLLM v1's ``null_block``: block 0, taken out of the free
+queue for good, never written, never hashed); the attention backends read a windowed request
+from the first block inside the window on, so they never read a skipped entry. A request then
+holds O(window) blocks, not O(length). Models with full-attention layers get no window here
+(their full layers read every block).
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ import os
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from .kv_window import max_blocks_held, num_skipped_blocks, window_hit_length
 
 BlockHash = bytes
 _ROOT_HASH: BlockHash = os.urandom(32)  # per-process seed of every hash chain
@@ -113,12 +125,15 @@ class FreeBlockQueue:
 class BlockPool:
     """All blocks of the cache: ref counts, the free queue and the hash -> block map."""
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+    def __init__(self, num_blocks: int, null_block: bool = False) -> None:
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks={num_blocks} must be >= {1 + null_block}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # block 0 as the null block: the entry of a skipped (behind-the-window) block
+        self.null_block = self.blocks[0] if null_block else None
+        self.num_usable = num_blocks - null_block
+        self.free_queue = FreeBlockQueue(self.blocks[int(null_block):])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0  # lets callers know when a cached prefix may have shrunk
         self.num_cached_inserts = 0  # ... or grown
@@ -182,8 +197,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 to 1.0."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of usable blocks (the null block left out) in use, 0.0 to 1.0."""
+        return 1.0 - self.num_free_blocks / self.num_usable
 
 
 def cdiv(a: int, b: int) -> int:
@@ -204,11 +219,13 @@ class PrefixCacheStats:
 class BlockTable:
     """One request's blocks in the `KVCacheManager`: ``blocks`` in table order, ``block_ids``
     the same table as ints (handed to the runner as is, no copy per step), and
-    ``num_cached_blocks``, how many leading blocks are registered in the prefix cache."""
+    ``num_cached_blocks``, how many leading blocks are registered in the prefix cache;
+    ``num_skipped``: how many leading entries are the null block (skipped behind the window)."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    num_skipped: int = 0
 
     def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.blocks.extend(blocks)
@@ -223,20 +240,29 @@ class KVCacheManager:
     table to cover ``num_tokens`` tokens and registers blocks that are now full;
     ``free(request_id)`` returns all of its blocks. Each request has one `BlockTable` in
     ``block_tables`` while it holds blocks.
+
+    ``sliding_window``: tokens every layer attends over (the module docstring), or None (full
+    attention on some layer: nothing is skipped). It reserves block 0 as the null block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, null_block=sliding_window is not None)
+        self.null_block = self.pool.null_block
         self.block_tables: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks that requests can hold (the null block left out)."""
+        return self.pool.num_usable
 
     @property
     def num_free_blocks(self) -> int:
@@ -253,11 +279,19 @@ class KVCacheManager:
         """The longest cached prefix of a request, as blocks (not yet touched).
 
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
-        since its logits are needed.
+        since its logits are needed. With a sliding window only the blocks inside the window of
+        the first token to compute must be cached (`window_hit_length`); the entries before
+        them are the null block.
         """
         if not self.enable_caching:
             return []
         limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        if self.sliding_window is not None:
+            found = [self.pool.lookup(h) for h in block_hashes[:limit]]
+            n = window_hit_length([b is not None for b in found], self.sliding_window,
+                                  self.block_size)
+            skip = num_skipped_blocks(n * self.block_size, self.sliding_window, self.block_size)
+            return [self.null_block] * skip + found[skip:n]
         hits = []
         for h in block_hashes[:limit]:
             b = self.pool.lookup(h)
@@ -279,6 +313,12 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------------------
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once when a step computes
+        at most ``max_step_tokens`` of its tokens (core/kv_window.py)."""
+        return max_blocks_held(num_tokens, self.sliding_window, self.block_size,
+                               max_step_tokens)
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs so that its table covers ``num_tokens`` tokens."""
         table = self.block_tables.get(request_id)
@@ -294,16 +334,23 @@ class KVCacheManager:
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         block_hashes: Sequence[BlockHash] = (),
+        num_computed_tokens: int = 0,
     ) -> list[int] | None:
         """Grow the block table to cover ``num_tokens`` tokens in total.
 
         ``new_computed_blocks``: cache hits found for a request being admitted; they head its
-        table. ``block_hashes``: the request's full-block hashes, for registering the blocks that
-        this allocation fills (a block is full once the tokens scheduled so far cover it).
+        table (null-block entries among them stay null). ``block_hashes``: the request's
+        full-block hashes, for registering the blocks that this allocation fills (a block is
+        full once the tokens scheduled so far cover it). ``num_computed_tokens``: the request's
+        tokens computed before this step; with a sliding window the blocks wholly behind the
+        window of the first one to compute are returned to the pool first (O(1) amortized).
         Returns the ids of the newly taken blocks, or None when too few blocks are free
-        (nothing is taken then).
+        (nothing is taken then; skipped blocks stay returned).
         """
         table = self.block_tables.get(request_id)
+        if (table is not None and self.sliding_window is not None
+                and num_computed_tokens >= self.sliding_window + self.block_size - 1):
+            self._skip_blocks(table, num_computed_tokens)
         held = len(table.blocks) if table is not None else 0
         if not new_computed_blocks and num_tokens <= held * self.block_size:
             # the common decode step: the table already covers it (no pool work)
@@ -312,16 +359,20 @@ class KVCacheManager:
                 self._cache_full_blocks(table, block_hashes, num_tokens)
             return []
         need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        null = self.null_block
+        hits = [b for b in new_computed_blocks if b is not null]
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
         if need + revived > self.num_free_blocks:
             return None
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+        if hits:
+            self.pool.touch(hits)
         new = self.pool.get_new_blocks(need)
         if table is None:
             table = self.block_tables[request_id] = BlockTable()
         table.extend(new_computed_blocks)
         table.extend(new)
+        if len(hits) < len(new_computed_blocks):
+            table.num_skipped = len(new_computed_blocks) - len(hits)
         if self.enable_caching and block_hashes:
             self._cache_full_blocks(table, block_hashes, num_tokens)
         return [b.block_id for b in new]
@@ -330,10 +381,25 @@ class KVCacheManager:
                            num_tokens: int) -> None:
         done = table.num_cached_blocks
         full = min(num_tokens // self.block_size, len(block_hashes), len(table.blocks))
-        for i in range(done, full):
+        for i in range(max(done, table.num_skipped), full):
             self.pool.cache_block(table.blocks[i], block_hashes[i])
         if full > done:
             table.num_cached_blocks = full
+
+    def _skip_blocks(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """Return the blocks wholly behind the window of position ``num_computed_tokens``
+        (oldest first), their table entries becoming the null block."""
+        skip = min(num_skipped_blocks(num_computed_tokens, self.sliding_window, self.block_size),
+                   len(table.blocks))
+        done = table.num_skipped
+        if skip <= done:
+            return
+        null = self.null_block
+        gone = table.blocks[done:skip]
+        table.blocks[done:skip] = [null] * (skip - done)
+        table.block_ids[done:skip] = [null.block_id] * (skip - done)
+        table.num_skipped = skip
+        self.pool.free_blocks(gone)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids. The list is the manager's own (no copy per
@@ -344,5 +410,5 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return every block of the request (tail first). Freeing an unknown id is a no-op."""
         table = self.block_tables.pop(request_id, None)
-        if table is not None and table.blocks:
-            self.pool.free_blocks(reversed(table.blocks))
+        if table is not None and len(table.blocks) > table.num_skipped:
+            self.pool.free_blocks(reversed(table.blocks[table.num_skipped:]))

@@ -8,9 +8,10 @@ batch, and turns the sampled rows' hidden states into logits with ``compute_logi
 must also be a ``torch.nn.Module``: the runner calls ``eval()``, and ``load_format: dummy``
 fills ``named_parameters()`` and the ``LinearBase`` layers among ``modules()`` itself.
 
-Two members are optional, and each has its named contract here instead of a guess at the call
-site: `PipelineStageLM` (``forward_stage``: pipeline stages captured in CUDA graphs) and the
-classmethod ``max_model_len_limit`` (read through `max_model_len_limit`).
+Three members are optional, and each has its named contract here instead of a guess at the call
+site: `PipelineStageLM` (``forward_stage``: pipeline stages captured in CUDA graphs), the
+classmethod ``max_model_len_limit`` (read through `max_model_len_limit`) and the classmethod
+``sliding_windows`` (read through `sliding_windows`).
 
 The built-in Llama family (plugins/models/) builds on `pagebatch.layers.decoder.
 DecoderForCausalLM`, which implements all of it, pipeline stages included, from one decoder
@@ -26,7 +27,8 @@ import torch
 from .attention import AttentionMetadata
 from .layers.context import ModelContext
 
-__all__ = ["CausalLM", "PipelineStageLM", "max_model_len_limit"]
+__all__ = ["CausalLM", "PipelineStageLM", "max_model_len_limit", "sliding_windows",
+           "kv_sliding_window"]
 
 
 @runtime_checkable
@@ -110,9 +112,29 @@ class PipelineStageLM(CausalLM, Protocol):
 
 def max_model_len_limit(model_cls: type[CausalLM], hf_config: Any) -> int | None:
     """The optional classmethod ``model_cls.max_model_len_limit(hf_config) -> int | None``:
-    the longest sequence the model runs exactly for this config (e.g. a sliding attention
-    window, which the attention backends do not implement), or None for no limit beyond
+    the longest sequence the model runs exactly for this config, or None for no limit beyond
     max_position_embeddings. A class without the classmethod has no limit. The engine lowers
-    max_model_len to it with a warning (core/engine_core.py)."""
+    max_model_len to it with a warning (core/model_setup.py)."""
     limit = getattr(model_cls, "max_model_len_limit", None)
     return None if limit is None else limit(hf_config)
+
+
+def sliding_windows(model_cls: type[CausalLM], hf_config: Any) -> list[int | None]:
+    """The optional classmethod ``model_cls.sliding_windows(hf_config) -> list[int | None]``:
+    per decoder layer of the checkpoint (``num_hidden_layers`` entries), the sliding window in
+    tokens that the layer attends over (a token at position i sees keys j with
+    i - window < j <= i, transformers' ``sliding_window_overlay``), or None for full attention.
+    A class without the classmethod attends fully on every layer."""
+    windows = getattr(model_cls, "sliding_windows", None)
+    if windows is None:
+        return [None] * int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    return list(windows(hf_config))
+
+
+def kv_sliding_window(windows: list[int | None]) -> int | None:
+    """The window behind which the block manager may return a request's blocks: the largest
+    layer window when every layer has one, else None (a full-attention layer reads every block;
+    such hybrid models keep whole block tables, see docs/tuning.md)."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)

@@ -21,6 +21,7 @@ from .attention import AttentionMetadata, resolve_kv_cache_dtype
 from .cuda_graphs import CUDAGraphs
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
+from .kv_window import max_blocks_held
 from .input_batch import InputBatch
 from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
@@ -227,12 +228,17 @@ class ModelRunner:
         return self.model(ids, pos, [cache] * self.model.num_layers, meta)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        need = -(-self.max_model_len // self.block_size)
-        if num_blocks < need:
+        window = self.setup.sliding_window  # the block manager then keeps block 0 as null
+        step = (self.max_num_batched_tokens if self.config.enable_chunked_prefill
+                else self.max_model_len)
+        need = max_blocks_held(self.max_model_len, window, self.block_size, step)
+        if num_blocks - (window is not None) < need:
+            held = (f" (a sliding window of {window} tokens, steps of up to {step}, and the "
+                    f"null block)" if window is not None else "")
             raise CacheTooSmallError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size} tokens) but one request of "
-                f"max_model_len={self.max_model_len} tokens needs {need} blocks; raise "
+                f"max_model_len={self.max_model_len} tokens needs {need} blocks{held}; raise "
                 f"kv_cache_memory / gpu_memory_utilization / num_kv_blocks or lower "
                 f"max_model_len")
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,

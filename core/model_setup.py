@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig, check_token_budget
 from .errors import ConfigError
-from .model import max_model_len_limit
+from .model import kv_sliding_window, max_model_len_limit, sliding_windows
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
 from .registry import Registry
 
@@ -33,7 +33,9 @@ class ModelSetup:
     source: the model's local folder. hf_config: its Hugging Face config. device_type: ``cuda``
     or ``cpu`` (each parallel rank adds its own GPU index). dtype: the activations' and 16-bit
     weights' dtype. max_model_len: tokens per request (prompt + output). max_num_batched_tokens:
-    the token budget of one step.
+    the token budget of one step. sliding_window: the tokens behind which the block manager
+    returns a request's blocks (every layer attends over a window of at most this many tokens;
+    `kv_sliding_window`), or None.
     """
 
     source: ModelSource
@@ -42,6 +44,7 @@ class ModelSetup:
     dtype: torch.dtype
     max_model_len: int
     max_num_batched_tokens: int
+    sliding_window: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,8 +74,10 @@ def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
     mnbt = config.max_num_batched_tokens or (
         8192 if config.enable_chunked_prefill else max(max_model_len, 2048))
     check_token_budget(mnbt, max_model_len, config.enable_chunked_prefill)
+    window = kv_sliding_window(sliding_windows(
+        registry.model_class(architecture(hf_config)), hf_config))
     return ModelSetup(source, hf_config, device.type, resolve_dtype(config.dtype, device),
-                      max_model_len, mnbt)
+                      max_model_len, mnbt, window)
 
 
 def _resolve_max_model_len(config: EngineConfig, hf_config: Any, registry: Registry) -> int:
@@ -90,15 +95,14 @@ def _resolve_max_model_len(config: EngineConfig, hf_config: Any, registry: Regis
 
 
 def _cap_max_model_len(max_model_len: int, hf_config: Any, registry: Registry) -> int:
-    """Apply the model class's optional ``max_model_len_limit(hf_config) -> int | None``
-    (e.g. Mistral's sliding window, which the attention backends do not implement):
-    a larger max_model_len is lowered to it, with a warning."""
+    """Apply the model class's optional ``max_model_len_limit(hf_config) -> int | None``:
+    a larger max_model_len is lowered to it, with a warning. (Sliding windows are no limit:
+    the attention backends implement them.)"""
     arch = architecture(hf_config)
     limit = max_model_len_limit(registry.model_class(arch), hf_config)
     if limit is not None and limit < max_model_len:
         logger.warning("max_model_len lowered from %d to %d: %s runs this config exactly "
-                       "only up to %d tokens (its max_model_len_limit, e.g. a sliding "
-                       "attention window, which the attention backends do not implement)",
+                       "only up to %d tokens (its max_model_len_limit)",
                        max_model_len, limit, arch, limit)
         return int(limit)
     return max_model_len

@@ -290,8 +290,18 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _allocate(self, req: Request, num_tokens: int, hits=()) -> list[int] | None:
-        return self.kv_cache.allocate_slots(req.request_id, num_tokens, hits, req.block_hashes)
+    def _allocate(self, req: Request, num_tokens: int, hits=(),
+                  num_computed: int | None = None) -> list[int] | None:
+        """Blocks for ``req`` to cover ``num_tokens``; with a sliding window those behind the
+        window of ``num_computed`` (default: the request's computed tokens) go back first."""
+        return self.kv_cache.allocate_slots(
+            req.request_id, num_tokens, hits, req.block_hashes,
+            req.num_computed_tokens if num_computed is None else num_computed)
+
+    def max_blocks_held(self, req: Request) -> int:
+        """The most blocks ``req`` will hold at once (all of its tokens' without a window)."""
+        step = self.max_num_batched_tokens if self.enable_chunked_prefill else req.num_tokens
+        return self.kv_cache.max_blocks_held(req.num_tokens, step)
 
     def _schedule_waiting(self, budget: int, cap: int,
                           scheduled: list[ScheduledRequest]) -> None:
@@ -302,7 +312,7 @@ class Scheduler:
         for req in list(self.policy.order_waiting(list(self.waiting), ctx)):
             if len(self.running) >= self.max_num_seqs or budget == 0 or len(scheduled) >= cap:
                 break
-            if kv.blocks_needed(req.request_id, req.num_tokens) > kv.num_blocks:
+            if self.max_blocks_held(req) > kv.num_blocks:
                 self._reject(req)  # could never fit: don't let it block the queue
                 continue
             hits = ([] if req.skip_prefix_cache
@@ -313,7 +323,7 @@ class Scheduler:
                 n = min(n, budget)
             elif n > budget:
                 break
-            if self._allocate(req, num_cached + n, hits) is None:
+            if self._allocate(req, num_cached + n, hits, num_cached) is None:
                 break
             if req.num_preemptions == 0:
                 kv.record_lookup(req.num_tokens, num_cached)

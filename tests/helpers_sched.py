@@ -101,8 +101,9 @@ class FakeRunner:
 
     def __init__(self, block_size: int,
                  next_token: Callable[[str, list[int]], int] = default_next_token,
-                 shared_reads: bool = False) -> None:
+                 shared_reads: bool = False, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window  # a sliding window: read back (and pass on) only its last tokens
         self.shared_reads = shared_reads  # prefix caching: reading another request's slot is OK
         self.next_token = next_token
         self.slots: dict[int, tuple[str, int, int]] = {}
@@ -124,7 +125,8 @@ class FakeRunner:
             if not sr.sample:
                 continue
             seq = []
-            for pos in range(sr.start_pos + len(sr.token_ids)):
+            end = sr.start_pos + len(sr.token_ids)
+            for pos in range(0 if self.window is None else max(0, end - self.window), end):
                 owner, p, tok = self.slots[slot_of(tables[sr.request_id], pos, bs)]
                 if self.shared_reads:
                     owner = sr.request_id
@@ -189,9 +191,12 @@ def reference_outputs(req: Request,
 def check_block_invariants(kv: KVCacheManager) -> None:
     """No block leaked, double-freed or held twice; ref counts equal live users."""
     pool = kv.pool
-    req_blocks = {rid: t.blocks for rid, t in kv.block_tables.items()}
+    null = kv.null_block  # sliding window: the entry of every skipped block, held by no one
+    req_blocks = {rid: [b for b in t.blocks if b is not null] for rid, t in kv.block_tables.items()}
     for rid, t in kv.block_tables.items():  # one record: its ids are its blocks'
         assert t.block_ids == [b.block_id for b in t.blocks], (rid, t)
+        assert all(b is null for b in t.blocks[:t.num_skipped]), (rid, t)
+        assert null not in t.blocks[t.num_skipped:], (rid, t)
     free_ids = pool.free_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)), f"a block is twice in the free queue: {free_ids}"
     for rid, blocks in req_blocks.items():  # shared across requests (prefix hits), not within
@@ -202,7 +207,9 @@ def check_block_invariants(kv: KVCacheManager) -> None:
         n_held = sum(len(blocks) for blocks in req_blocks.values())
         assert n_held == len(held), f"a block is held twice: {req_blocks}"
     assert not set(free_ids) & set(held), f"blocks both free and held: {set(free_ids) & set(held)}"
-    assert sorted(free_ids + held) == list(range(pool.num_blocks)), "a block leaked"
+    reserved = [] if null is None else [null.block_id]
+    assert null is None or (null.ref_cnt == 0 and null.block_hash is None)
+    assert sorted(free_ids + held + reserved) == list(range(pool.num_blocks)), "a block leaked"
     assert pool.num_free_blocks == len(free_ids)
     users: dict[int, int] = {}
     for blocks in req_blocks.values():

@@ -1,6 +1,6 @@
 """The Llama-family architectures (Mistral, Qwen2, Qwen3, Llama 3.1 rope scaling, YaRN) on tiny
 random models: logits and greedy tokens against transformers, the rope scalings against
-transformers' ``ROPE_INIT_FUNCTIONS``, and the sliding-window cap of max_model_len."""
+transformers' ``ROPE_INIT_FUNCTIONS``, and the layers' sliding windows."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_qwen3_has_per_head_qk_norm(case):
         assert attn.head_dim == 32 and attn.qkv_proj.bias is None
 
 
-# ---- the sliding window cap ---------------------------------------------------------------------
+# ---- sliding windows (the attention and block manager tests: tests/test_sliding_window.py) ----
 
 
 @pytest.fixture(scope="module")
@@ -105,30 +105,29 @@ def mistral_window_dir(tmp_path_factory):
                             model_type="mistral", sliding_window=64)
 
 
-@pytest.mark.parametrize("asked, expected, warns", [(None, 64, True), (128, 64, True),
-                                                    (32, 32, False)])
-def test_mistral_sliding_window_caps_max_model_len(mistral_window_dir, caplog, asked, expected,
-                                                   warns):
+@pytest.mark.parametrize("asked, expected", [(None, 256), (128, 128), (32, 32)])
+def test_mistral_sliding_window_no_longer_caps_max_model_len(mistral_window_dir, caplog, asked,
+                                                              expected):
     caplog.set_level(logging.WARNING, logger="pagebatch.engine")
     llm = LLM(str(mistral_window_dir), device="cpu", dtype="float32", num_kv_blocks=16,
-              block_size=16, max_model_len=asked)
+              block_size=16, max_model_len=asked, enable_chunked_prefill=True,
+              max_num_batched_tokens=32)
     assert llm.engine.max_model_len == expected
     assert llm.engine.core.runner.max_model_len == expected
-    capped = [r for r in caplog.records if "max_model_len lowered" in r.getMessage()]
-    assert bool(capped) == warns
-    if warns:
-        assert f"from {asked or 256} to 64" in capped[0].getMessage()
-        assert "MistralForCausalLM" in capped[0].getMessage()
+    assert not [r for r in caplog.records if "max_model_len lowered" in r.getMessage()]
+    assert llm.engine.core.kv_cache.sliding_window == 64
+    assert [layer.self_attn.attn.sliding_window
+            for layer in llm.engine.core.runner.model.layers] == [64, 64]
 
 
-def test_mistral_within_window_matches_transformers(mistral_window_dir):
-    """Within the window, full attention is the windowed attention transformers runs."""
+def test_mistral_logits_past_the_window_match_transformers(mistral_window_dir):
+    """200 tokens, three windows: transformers masks with its sliding-window causal mask."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(mistral_window_dir, dtype=torch.float32).eval()
-    llm = LLM(str(mistral_window_dir), device="cpu", dtype="float32", num_kv_blocks=16,
+    llm = LLM(str(mistral_window_dir), device="cpu", dtype="float32", num_kv_blocks=20,
               block_size=16)
-    ids = _ids(64, seed=4)
+    ids = _ids(200, seed=4)
     ours = llm.engine.core.runner.forward_scratch(ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -138,18 +137,24 @@ def test_mistral_within_window_matches_transformers(mistral_window_dir):
 def test_qwen_sliding_window_only_when_used():
     from transformers import Qwen2Config
 
+    from pagebatch.model import kv_sliding_window
     from pagebatch.plugins.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
     base = dict(num_hidden_layers=4, sliding_window=128, max_position_embeddings=1024)
-    assert Qwen2ForCausalLM.max_model_len_limit(Qwen2Config(**base)) is None
+    assert Qwen2ForCausalLM.sliding_windows(Qwen2Config(**base)) == [None] * 4
     used = Qwen2Config(**base, use_sliding_window=True, max_window_layers=2)
-    assert Qwen2ForCausalLM.max_model_len_limit(used) == 128
-    assert Qwen3ForCausalLM.max_model_len_limit(used) == 128
+    assert Qwen2ForCausalLM.sliding_windows(used) == [None, None, 128, 128]
+    assert Qwen3ForCausalLM.sliding_windows(used) == [None, None, 128, 128]
+    assert kv_sliding_window([None, None, 128, 128]) is None  # hybrid: whole block tables
+    assert kv_sliding_window([128] * 4) == 128
     none_windowed = Qwen2Config(**base, use_sliding_window=True, max_window_layers=4)
-    assert Qwen2ForCausalLM.max_model_len_limit(none_windowed) is None
+    assert Qwen2ForCausalLM.sliding_windows(none_windowed) == [None] * 4
     old_style = SimpleNamespace(use_sliding_window=True, sliding_window=128, max_window_layers=2,
                                 num_hidden_layers=4)  # transformers < 5: no layer_types
-    assert Qwen2ForCausalLM.max_model_len_limit(old_style) == 128
+    assert Qwen2ForCausalLM.sliding_windows(old_style) == [None, None, 128, 128]
+    typed = SimpleNamespace(use_sliding_window=True, sliding_window=128, num_hidden_layers=4,
+                            layer_types=["sliding_attention", "full_attention"] * 2)
+    assert Qwen2ForCausalLM.sliding_windows(typed) == [128, None, 128, None]
 
 
 # ---- rope scalings against transformers -----------------------------------------------------

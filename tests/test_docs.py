@@ -85,6 +85,8 @@ SHAPES = [
     ("qwen2.5-7b", "Qwen2ForCausalLM", 3584, 28, 28, 4, 128, 18944, 152064, False),
     ("qwen3-4b", "Qwen3ForCausalLM", 2560, 36, 32, 8, 128, 9728, 151936, True),
     ("mistral-nemo-12b", "MistralForCausalLM", 5120, 40, 32, 8, 128, 14336, 131072, False),
+    # Mistral 7B v0.1: a 4096-token sliding window (scripts/gpu_swa.sh)
+    ("mistral-7b-v0.1", "MistralForCausalLM", 4096, 32, 32, 8, 128, 14336, 32000, False),
 ]
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from pagebatch import LLM
 from pagebatch.layers.context import ModelContext
 from pagebatch.layers.decoder import DecoderForCausalLM
-from pagebatch.model import CausalLM, PipelineStageLM, max_model_len_limit
+from pagebatch.model import CausalLM, PipelineStageLM, max_model_len_limit, sliding_windows
 from pagebatch.registry import registry
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -68,7 +68,10 @@ def test_optional_members_are_optional():
     assert not isinstance(model, PipelineStageLM)  # the runner runs its stages eagerly
     assert max_model_len_limit(BareModel, SimpleNamespace()) is None
     mistral = registry().model_class("MistralForCausalLM")
-    assert max_model_len_limit(mistral, SimpleNamespace(sliding_window=4096)) == 4096
+    assert max_model_len_limit(mistral, SimpleNamespace(sliding_window=4096)) is None
+    assert sliding_windows(mistral, SimpleNamespace(sliding_window=4096,
+                                                    num_hidden_layers=2)) == [4096, 4096]
+    assert sliding_windows(BareModel, SimpleNamespace(num_hidden_layers=2)) == [None, None]
 
 
 def _ctx() -> ModelContext:

@@ -139,6 +139,10 @@ def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         for r in results:
             print(f"{r['engine']:<14}{r['decode_tok_s']:>14.1f}{r['ttft_s'] * 1e3:>10.1f}")
         base = results[0]["decode_tok_s"]
+    r = results[0]
+    if "kv_peak_blocks" in r:
+        print(f"KV cache: peak {r['kv_peak_blocks']} of {r['kv_blocks']} blocks in use, "
+              f"{r['num_preemptions']} preemptions")
     if len(results) > 1:
         other = results[1].get("output_tok_s") or results[1].get("decode_tok_s")
         print(f"pagebatch / {results[1]['engine']}: {base / other:.2f}x")

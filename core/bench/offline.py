@@ -42,10 +42,11 @@ def sampling_params_of(config: EngineConfig, out_lens: list[int],
 
 
 def run_workload(engine, kind: str, batch: list[list[int]],
-                 sp_of: dict) -> tuple[float, float, int]:
+                 sp_of: dict, on_step=None) -> tuple[float, float, int]:
     """Submit ``batch`` (token ids; prompt i with ``sp_of[i]``) to ``engine`` (an `LLMEngine`)
     and step until it is done. Returns (elapsed seconds, seconds to the first output or 0.0,
-    output tokens). ``kind`` ``"throughput"`` asks for final outputs only."""
+    output tokens). ``kind`` ``"throughput"`` asks for final outputs only. ``on_step()``: called
+    after every step (O(1) host work: e.g. a peak KV usage reading)."""
     ttft = None
     start = time.perf_counter()
     for i, p in enumerate(batch):
@@ -56,6 +57,8 @@ def run_workload(engine, kind: str, batch: list[list[int]],
     n_out = 0
     while engine.has_unfinished_requests:
         outs = engine.step()
+        if on_step is not None:
+            on_step()
         if ttft is None and outs:
             ttft = time.perf_counter() - start
         n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
@@ -73,7 +76,9 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
 
     Returns ``engine``, ``startup_s``, ``warmup_s``, ``autotune_s`` (seconds; the kernel
     autotuning inside them), ``autotune_candidates``, ``weights_gb`` and
-    ``kv_cache_tokens`` (in-process core only); throughput adds ``elapsed_s`` (the fastest
+    ``kv_cache_tokens``, ``kv_blocks`` (usable), ``kv_peak_blocks`` (the most blocks held
+    after any step: a sliding window returns blocks behind it) and ``num_preemptions``
+    (in-process core only); throughput adds ``elapsed_s`` (the fastest
     run), ``elapsed_each_s``, ``output_tokens``, ``output_tok_s``; latency adds ``ttft_s`` and
     ``decode_tok_s`` (medians over prompts x iterations). The engine is shut down after."""
     from ..engine import LLMEngine
@@ -82,9 +87,14 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     engine = LLMEngine(config)
     startup = time.perf_counter() - t0
     sp_of = sampling_params_of(config, out_lens, sampling)
+    kv = engine.core.kv_cache if isinstance(engine.core, EngineCore) else None
+    peak = [0]
+
+    def track() -> None:
+        peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
 
     def run(batch: list[list[int]]) -> tuple[float, float, int]:
-        return run_workload(engine, kind, batch, sp_of)
+        return run_workload(engine, kind, batch, sp_of, track if kv is not None else None)
 
     # every run's prompts have their ids shifted by a run-own amount (mod the largest id + 1,
     # so inside the vocabulary): no run may hit the prefix cache that the ones before it left
@@ -109,6 +119,7 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
         model = runner.model
         res["weights_gb"] = round(weight_bytes(model) / 1e9, 3)
         res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
+        res["kv_blocks"] = kv.num_blocks
     if kind == "throughput":
         times = [run(shifted(prompts, i)) for i in range(num_iters)]
         elapsed = min(t[0] for t in times)
@@ -121,6 +132,9 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
         ttft = sorted(r[1] for r in runs)[len(runs) // 2]
         decode = sorted((r[2] - 1) / (r[0] - r[1]) for r in runs)[len(runs) // 2]
         res.update(ttft_s=ttft, decode_tok_s=decode)
+    if kv is not None:
+        res.update(kv_peak_blocks=peak[0],
+                   num_preemptions=engine.core.scheduler.stats.num_preemptions)
     engine.shutdown()  # give the device back before --compare runs the other engine
     engine = None
     _free_device_memory()

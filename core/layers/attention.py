@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..attention import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
+from ..errors import ConfigError
 
 
 class Attention(nn.Module):
@@ -26,6 +27,16 @@ class Attention(nn.Module):
         # loaded: CUDA graphs capture them
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.sliding_window: int | None = None  # tokens; None: full causal attention
+
+    def set_sliding_window(self, window: int | None) -> None:
+        """Attend over the last ``window`` tokens (a token at position i sees keys j with
+        i - window < j <= i), or fully (None). Raises ConfigError when the backend has no
+        sliding window (``supports_sliding_window``)."""
+        if window is not None and not self.backend.supports_sliding_window:
+            raise ConfigError(f"the model attends over a sliding window of {window} tokens; "
+                              f"the {self.backend.name!r} attention backend has none")
+        self.sliding_window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, rope: tuple | None = None) -> torch.Tensor:
@@ -45,5 +56,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, **kw)
         if self.backend.accepts_new_kv:
             kw["new_kv"] = (k, v)
+        if self.sliding_window is not None:
+            kw["sliding_window"] = self.sliding_window
         out = self.backend.forward(q, kv_cache, metadata, self.scale, **kw)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -47,6 +47,10 @@ class DecoderForCausalLM(nn.Module):
     - ``stacked`` (class attribute): checkpoint layer names merged into one of the model's
       layers, e.g. ``{"q_proj": ("qkv_proj", 0)}`` (shard 0 of ``qkv_proj``).
     - optionally ``max_model_len_limit(hf_config)`` (classmethod; this one returns None).
+    - optionally ``sliding_windows(hf_config)`` (classmethod): each checkpoint layer's sliding
+      window in tokens or None (core/model.py); this one reads ``layer_types`` of a
+      transformers 5 config ("sliding_attention" layers get ``sliding_window``), else None
+      everywhere. Each layer's `Attention` gets its window as ``sliding_window``.
 
     Reads ``hidden_size``, ``num_hidden_layers``, ``vocab_size``, ``rms_norm_eps`` and
     ``tie_word_embeddings`` of the Hugging Face config. Attributes: ``embed_tokens`` (first
@@ -77,6 +81,9 @@ class DecoderForCausalLM(nn.Module):
             self.norm = residual_rms_norm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
             tied = self.embed_tokens if self.tie_word_embeddings else None
             self.lm_head = lm_head(ctx, cfg.vocab_size, cfg.hidden_size, tied)
+        windows = type(self).sliding_windows(cfg)
+        for i, layer in zip(range(self.start_layer, self.end_layer), self.layers):
+            _attention_of(layer).set_sliding_window(windows[i])
         attn = _attention_of(self.layers[0])
         self.num_layers = len(self.layers)  # this stage's: one KV cache tensor each
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's
@@ -90,9 +97,20 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def max_model_len_limit(cls, hf_config: Any) -> int | None:
         """The longest sequence this model runs exactly for ``hf_config``, or None for no limit
-        beyond max_position_embeddings (core/model.py). None here; sliding-window families
-        return their window."""
+        beyond max_position_embeddings (core/model.py). None here."""
         return None
+
+    @classmethod
+    def sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        """Per checkpoint layer: its sliding window in tokens, or None for full attention
+        (core/model.py). From ``layer_types`` when the config has it (transformers 5:
+        "sliding_attention" / "full_attention"), else full attention on every layer."""
+        n = int(hf_config.num_hidden_layers)
+        window = getattr(hf_config, "sliding_window", None)
+        types = getattr(hf_config, "layer_types", None)
+        if types is None or not window:
+            return [None] * n
+        return [int(window) if t == "sliding_attention" else None for t in types[:n]]
 
     # ---- forward ------------------------------------------------------------------------------
 

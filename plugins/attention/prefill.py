@@ -99,13 +99,15 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
                       new_kv: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                       metadata: AttentionMetadata, part: BatchPart, scale: float,
                       config: PrefillConfig | None = None,
-                      rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      sliding_window: int | None = None) -> None:
     """Writes rows ``part.tok_begin:part.tok_end`` of ``out`` [num_tokens, num_heads, head_dim]
     (query's dtype): causal attention of ``part``'s prefill requests over their cached prefix
     (``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype) and their
     new keys ``new_kv`` = (key, value) [num_tokens, num_kv_heads, head_dim] (every row of the
     step; as stored in the cache: rotated when ``rope`` is given, which rotates only q).
-    Requests of the range with one new token are skipped unless ``part.pure``."""
+    Requests of the range with one new token are skipped unless ``part.pure``.
+    ``sliding_window``: tokens each query attends over (transformers' mask), None: all."""
     from triton.runtime.errors import OutOfResources
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -144,14 +146,15 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor,
         out, query, k_src, v_src, kv_cache[0], kv_cache[1], tables, metadata.seq_lens[a:b],
         metadata.query_start_loc[a:b + 1],
         *(rope if rope is not None else (metadata.seq_lens, query)),
-        b - a, num_q_blocks, part.tok_begin, t, scale,
+        b - a, num_q_blocks, part.tok_begin, t, scale, sliding_window or 0,
         query.stride(0), query.stride(1), k2.stride(0), v2.stride(0), out.stride(0),
         out.stride(1), tables.stride(0))
     consts = dict(
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, TMA=tma,
         WARP_SPECIALIZE=ws, DOT_PRECISION=precision, SKIP_DECODES=not part.pure,
-        ROPE=rope is not None, num_warps=cfg.num_warps, **launch_options(query.device))
+        ROPE=rope is not None, SLIDING=sliding_window is not None, num_warps=cfg.num_warps,
+        **launch_options(query.device))
     while True:
         try:
             pk.prefill_attention_kernel[(num_q_blocks * hkv,)](*args, **consts,

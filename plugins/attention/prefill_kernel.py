@@ -36,12 +36,13 @@ def _chunk_tiles(
     qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr = False, window=0,
 ):
     """Online softmax over the chunk's keys ``lo .. hi-1`` (indices within the request's new
     tokens: row ``kv_row0 + j`` of the step's K/V, columns ``kv_col ..`` for this kv head).
     ``MASKED``: the diagonal tiles (key j visible to a row of chunk index q_idx iff j <= q_idx);
-    otherwise every row sees every key and no mask is computed."""
+    otherwise every row sees every key and no mask is computed. ``SLIDING``: masked tiles also
+    hide keys j <= q_idx - window (the window's left edge)."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     for start_n in tl.range(lo, hi, TILE_N, warp_specialize=WARP_SPECIALIZE):
@@ -62,6 +63,8 @@ def _chunk_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             visible = (start_n + offs_n)[None, :] <= q_idx[:, None]
+            if SLIDING:
+                visible = visible & ((start_n + offs_n)[None, :] > q_idx[:, None] - window)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
@@ -80,13 +83,14 @@ def _chunk_tiles(
 def prefill_attention_kernel(
     out_ptr, q_ptr, k_src, v_src, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, pos_ptr, cos_sin_ptr,
-    num_seqs, num_q_blocks, tok0, num_tokens, scale,
+    num_seqs, num_q_blocks, tok0, num_tokens, scale, window,
     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SKIP_DECODES: tl.constexpr = False, ROPE: tl.constexpr = False, PDL: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
 ):
     """Grid (num_q_blocks * num_kv_heads,), kv heads varying fastest, so that the heaviest query
     blocks of every head are scheduled first; num_q_blocks = n // BLOCK_Q + num_seqs for the
@@ -101,6 +105,9 @@ def prefill_attention_kernel(
     new tokens (their rows in k_src / v_src). ``SKIP_DECODES``: requests with one new token
     return at once (a mixed step's decodes launch apart). ``ROPE``: q is rotated as it loads;
     k_src must already be rotated (the backend's write_kv stores its rotation back).
+    ``SLIDING``: position i sees keys j with i - ``window`` < j <= i; tiles of the prefix or of
+    the chunk wholly before the first row's window are skipped, the left-edge tiles masked, and
+    no cached key below the window is loaded.
     """
     kvh = tl.program_id(0) % NUM_KV_HEADS
     pid = num_q_blocks - 1 - tl.program_id(0) // NUM_KV_HEADS  # the latest (heaviest) first
@@ -137,14 +144,27 @@ def prefill_attention_kernel(
     stride_slot = NUM_KV_HEADS * HEAD_DIM
     q_pos = ctx_len + q_idx
     ctx_full = ctx_len // TILE_N * TILE_N
+    q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    p_mid = 0  # prefix keys [p_mid, ctx_full) are seen by every row
+    kv_lo = 0
+    if SLIDING:  # the window's left edge in the prefix: [p_lo, p_mid) masked
+        kv_lo = tl.maximum(ctx_len + q_first - window + 1, 0)
+        p_lo = tl.minimum(kv_lo // TILE_N * TILE_N, ctx_len)
+        band = tl.cdiv(tl.maximum(ctx_len + q_last - window + 1, 0), TILE_N) * TILE_N
+        p_mid = tl.minimum(tl.maximum(band, p_lo), ctx_len)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM,
+            bt_row, ctx_len, q_pos, p_lo, p_mid, stride_slot, offs_d, qk_scale, HEAD_DIM,
+            HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, True, window, kv_lo)
+    p_end = tl.maximum(p_mid, ctx_full)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, bt_row,
-        ctx_len, q_pos, 0, ctx_full, stride_slot, offs_d, qk_scale, HEAD_DIM, HEAD_DIM_PAD,
+        ctx_len, q_pos, p_mid, p_end, stride_slot, offs_d, qk_scale, HEAD_DIM, HEAD_DIM_PAD,
         BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, bt_row,
-        ctx_len, q_pos, ctx_full, ctx_len, stride_slot, offs_d, qk_scale, HEAD_DIM,
-        HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+        ctx_len, q_pos, p_end, ctx_len, stride_slot, offs_d, qk_scale, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, SLIDING, window, kv_lo)
 
     # (2) the chunk's own keys: tiles before the first row's position unmasked, then the diagonal
     if TMA == 2:  # device-side descriptors (need triton.set_allocator for their workspace)
@@ -152,16 +172,25 @@ def prefill_attention_kernel(
                                           strides=[stride_kt, 1], block_shape=[TILE_N, HEAD_DIM])
         v_src = tl.make_tensor_descriptor(v_src, shape=[num_tokens, NUM_KV_HEADS * HEAD_DIM],
                                           strides=[stride_vt, 1], block_shape=[TILE_N, HEAD_DIM])
-    q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
     full_end = (q_first + 1) // TILE_N * TILE_N  # keys [0, full_end) precede every row
+    c_mid = 0  # chunk keys [c_mid, full_end) are seen by every row
+    if SLIDING:  # the window's left edge in the chunk: [c_lo, c_mid) masked
+        c_lo = tl.maximum(q_first - window + 1, 0) // TILE_N * TILE_N
+        band = tl.cdiv(tl.maximum(q_last - window + 1, 0), TILE_N) * TILE_N
+        c_mid = tl.minimum(tl.maximum(band, c_lo), q_last + 1)
+        acc, l_i, m_i = _chunk_tiles(
+            acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, c_lo, c_mid,
+            stride_kt, stride_vt, qk_scale, HEAD_DIM, HEAD_DIM_PAD, TILE_N, True, TMA,
+            WARP_SPECIALIZE, DOT_PRECISION, True, window)
+    c_end = tl.maximum(c_mid, full_end)
     acc, l_i, m_i = _chunk_tiles(
-        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, 0, full_end,
+        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, c_mid, c_end,
         stride_kt, stride_vt, qk_scale, HEAD_DIM, HEAD_DIM_PAD, TILE_N, False, TMA,
         WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _chunk_tiles(
-        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, full_end,
+        acc, l_i, m_i, q, k_src, v_src, q_begin, kvh * HEAD_DIM, q_len, q_idx, c_end,
         q_last + 1, stride_kt, stride_vt, qk_scale, HEAD_DIM, HEAD_DIM_PAD, TILE_N, True, TMA,
-        WARP_SPECIALIZE, DOT_PRECISION)
+        WARP_SPECIALIZE, DOT_PRECISION, SLIDING, window)
     pdl.launch_dependents(PDL)
 
     out = acc / l_i[:, None]  # every valid row saw its own key: l_i >= 1

@@ -5,7 +5,10 @@ import and ``TRITON_INTERPRET`` is read only by whoever runs the kernels). KV la
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Any block size, any GQA group, head_dim
 up to 256 (tiles are padded to a power of two and masked). The cache is in the query's dtype
 (fp16/bf16/fp32) or fp8 e4m3 with per-layer k_scale / v_scale (``kv_cache_dtype: fp8``; e4m3
-conversions need sm89+ on CUDA).
+conversions need sm89+ on CUDA). A sliding window (``sliding_window=W``, transformers' mask:
+position i sees keys j with i - W < j <= i) skips the key tiles wholly before a query block's
+window, masks the boundary tiles and loads no key below the window (the block manager may have
+handed those blocks to another request); split-KV splits only the window.
 
 On CPU the backend runs only under ``TRITON_INTERPRET=1`` (tests on tiny shapes).
 """
@@ -148,7 +151,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
                     v_scale: float = 1.0,
                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    prefill_config: PrefillConfig | None = None) -> torch.Tensor:
+                    prefill_config: PrefillConfig | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
@@ -164,7 +168,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     A step's decodes (one new token) and prefills launch apart, each with its own tiles (from
     one metadata: `AttentionMetadata.parts`, worked out on the host). ``config`` overrides the
     tiles and runs every request in one launch of the paged kernel (benchmarks, tests);
-    ``prefill_config`` the prefill kernel's. Raises ValueError for head_dim above 256.
+    ``prefill_config`` the prefill kernel's. ``sliding_window``: tokens each query attends
+    over (None: the whole causal context). Raises ValueError for head_dim above 256.
     """
     t, hq, d = query.shape
     _, _, block_size, hkv, d_cache = kv_cache.shape
@@ -183,29 +188,32 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     if config is not None:
         whole = BatchPart(0, metadata.num_seqs, 0, t, metadata.max_query_len,
                           metadata.max_seq_len, True)
-        _paged(out, query, kv_cache, metadata, whole, scale, config, 0, k_scale, v_scale, rope)
+        _paged(out, query, kv_cache, metadata, whole, scale, config, 0, k_scale, v_scale, rope,
+               sliding_window)
         return out
     decodes, prefills = metadata.parts
     if decodes is not None:
         _paged(out, query, kv_cache, metadata, decodes, scale, None,
-               0 if decodes.pure else 1, k_scale, v_scale, rope)
+               0 if decodes.pure else 1, k_scale, v_scale, rope, sliding_window)
     if prefills is not None:
         if new_kv is not None and (prefill_config is not None or prefills.max_seq_len
                                    <= PREFILL_KERNEL_MAX_CONTEXT * prefills.max_query_len):
             prefill_attention(out, query, new_kv, kv_cache, metadata, prefills, scale,
-                              prefill_config, rope)
+                              prefill_config, rope, sliding_window)
         else:
             _paged(out, query, kv_cache, metadata, prefills, scale, None,
-                   0 if prefills.pure else 2, k_scale, v_scale, rope)
+                   0 if prefills.pure else 2, k_scale, v_scale, rope, sliding_window)
     return out
 
 
 def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
            metadata: AttentionMetadata, part: BatchPart, scale: float,
            config: LaunchConfig | None, kind: int, k_scale: float, v_scale: float,
-           rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+           rope: tuple[torch.Tensor, torch.Tensor] | None,
+           sliding_window: int | None = None) -> None:
     """One launch of the paged kernel over ``part``'s requests (``kind``: the kernel's KIND),
-    writing their rows of ``out``."""
+    writing their rows of ``out``. With a window, the tiles and splits are chosen for the keys
+    a query block reads (at most window + max_query_len), not the whole context."""
     from . import triton_kernels as tk
 
     t, hq, d = query.shape
@@ -213,7 +221,10 @@ def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
     group = hq // hkv
     a, b = part.seq_begin, part.seq_end
     n = part.tok_end - part.tok_begin
-    cfg = config or choose_config(n, b - a, part.max_query_len, part.max_seq_len, hkv, group, d,
+    keys = part.max_seq_len
+    if sliding_window is not None:
+        keys = min(keys, sliding_window + part.max_query_len)
+    cfg = config or choose_config(n, b - a, part.max_query_len, keys, hkv, group, d,
                                   query.dtype, query.device)
     block_q = max(cfg.block_m // group, 1)
     num_q_blocks = n // block_q + (b - a)
@@ -234,11 +245,13 @@ def _paged(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
         metadata.query_start_loc[a:b + 1], part_acc, part_ml, out if cnt is None else cnt,
         *(rope if rope is not None else (metadata.seq_lens, query)),
         b - a, num_q_blocks, part.tok_begin, scale, float(k_scale), float(v_scale),
+        sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         NUM_KV_HEADS=hkv, G=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         DOT_PRECISION=precision, FUSED_REDUCE=cnt is not None, ROPE=rope is not None, KIND=kind,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(query.device))
+        SLIDING=sliding_window is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_launch_options(query.device))
     if splits > 1 and cnt is None:
         rows = out[part.tok_begin:part.tok_end]
         tk.reduce_splits_kernel[(n, hq)](
@@ -253,6 +266,7 @@ class TritonBackend(AttentionBackend):
     supports_fp8_kv_cache = True
     supports_fused_rope = True
     accepts_new_kv = True
+    supports_sliding_window = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> str | None:
         try:
@@ -278,9 +292,9 @@ class TritonBackend(AttentionBackend):
         write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, rope, store_rotated=True)
 
     def forward(self, query, kv_cache, metadata: AttentionMetadata, scale, k_scale=1.0,
-                v_scale=1.0, rope=None, new_kv=None):
+                v_scale=1.0, rope=None, new_kv=None, sliding_window=None):
         return paged_attention(query, kv_cache, metadata, scale, None, k_scale, v_scale, rope,
-                               new_kv)
+                               new_kv, sliding_window=sliding_window)
 
 
 @hookimpl

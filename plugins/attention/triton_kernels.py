@@ -122,9 +122,12 @@ def _attend_tiles(
     qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr = False, window=0, kv_lo=0,
 ):
     """Online softmax over keys lo .. hi-1 (lo a multiple of TILE_N). Unmasked tiles (every row
-    sees every key, all keys < seq_len) skip the masks."""
+    sees every key, all keys < seq_len) skip the masks. ``SLIDING``: masked tiles also hide the
+    keys j <= q_pos - window (transformers' sliding-window mask) and load no key below
+    ``kv_lo`` (the first key any row sees: blocks below it may belong to another request)."""
     offs_n = tl.arange(0, TILE_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, TILE_N):
@@ -140,7 +143,10 @@ def _attend_tiles(
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slot[:, None] * stride_slot + offs_d[None, :]
         if MASKED:
-            kv_mask = (pos < seq_len)[:, None] & d_ok[None, :]
+            kv_ok = pos < seq_len
+            if SLIDING:
+                kv_ok = kv_ok & (pos >= kv_lo)
+            kv_mask = kv_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
         elif HEAD_DIM != HEAD_DIM_PAD:
@@ -154,6 +160,8 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < seq_len)
+            if SLIDING:
+                ok = ok & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -169,13 +177,14 @@ def _attend_tiles(
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, pos_ptr, cos_sin_ptr,
-    num_seqs, num_q_blocks, tok0, scale, k_scale, v_scale,
+    num_seqs, num_q_blocks, tok0, scale, k_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr = False,
     ROPE: tl.constexpr = False, KIND: tl.constexpr = 0, PDL: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
 ):
     """Grid (num_q_blocks, num_kv_heads, NUM_SPLITS); num_q_blocks = num_tokens // BLOCK_Q +
     num_seqs (an upper bound: programs past a request's last query block return at once).
@@ -193,6 +202,9 @@ def paged_attention_kernel(
     ``cnt_ptr`` [num_q_blocks * NUM_KV_HEADS] int32, zero before and left zero after; the
     split-K scheme of core/kernels/splitk.py), so no second launch is needed.
     ``k_scale`` / ``v_scale``: fp8 cache scales (1.0 otherwise), applied outside the tile loop.
+    ``SLIDING``: position i attends to keys j with i - ``window`` < j <= i; key tiles wholly
+    below the first row's window are skipped (the splits divide the rest), those that some row
+    of the tile sees only in part are masked, and no key below the window is loaded.
     """
     # the heaviest query blocks (late in a long prompt) first: a shorter causal tail
     pid = num_q_blocks - 1 - tl.program_id(0)
@@ -226,16 +238,22 @@ def paged_attention_kernel(
         q = _rope(q, q_ptrs, offs_d[None, :], pos[:, None], cos_sin_ptr, q_ok, HEAD_DIM)
     q_pos = ctx_len + q_idx
 
-    # keys [0, kv_end) are needed; [0, first_pos] are visible to every row of the tile
+    # keys [kv_lo, kv_end) are needed; [band, first_pos] are visible to every row of the tile
     last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
     kv_end = ctx_len + last + 1
     full_end = ctx_len + q_first + 1
+    kv_lo = 0
+    band = 0
+    if SLIDING:
+        kv_lo = tl.maximum(full_end - window, 0)  # the first row's first key
+        band = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N) * TILE_N  # the last row's
+    base = kv_lo // TILE_N * TILE_N
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = base
         hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - base, NUM_SPLITS), TILE_N) * TILE_N
+        lo = base + split * per_split
         hi = tl.minimum(lo + per_split, kv_end)
     mid = tl.maximum(lo, tl.minimum(hi, full_end) // TILE_N * TILE_N)
 
@@ -248,12 +266,21 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    if SLIDING:  # the window's left edge: [lo, b) masked, then [b, mid) unmasked
+        b = tl.maximum(lo, tl.minimum(band, hi))  # lo > hi: an empty split stays empty
+        mid = tl.maximum(b, mid)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, lo, b, stride_slot,
+            offs_d, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+            True, window, kv_lo)
+        lo = b
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, lo, mid, stride_slot, offs_d,
         qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, mid, hi, stride_slot, offs_d,
-        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, SLIDING,
+        window, kv_lo)
     acc = acc * v_scale
     pdl.launch_dependents(PDL)
 

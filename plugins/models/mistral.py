@@ -1,9 +1,10 @@
 """``MistralForCausalLM`` (Mistral 7B v0.1-v0.3, Mistral NeMo, ...): Llama's layers unchanged.
 
-Mistral v0.1 attends over a sliding window of ``sliding_window`` tokens (Jiang et al. 2023,
-"Mistral 7B"). The attention backends here attend over the whole sequence, which equals the
-windowed attention as long as a sequence has at most ``sliding_window`` tokens: the model
-therefore limits max_model_len to the window (the engine caps it and logs a warning).
+Mistral v0.1 attends over a sliding window of ``sliding_window`` tokens on every layer (Jiang
+et al. 2023, "Mistral 7B"; transformers' ``MistralModel`` masks with
+``create_sliding_window_causal_mask``: position i sees keys j with i - window < j <= i). The
+attention backends implement the window and the block manager returns blocks behind it, so
+max_model_len is not limited by it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pagebatch.plugins.models.llama import LlamaForCausalLM
 
 class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
-    def max_model_len_limit(cls, hf_config) -> int | None:
-        """``sliding_window`` of config.json (None when null: Mistral v0.2 and later)."""
+    def sliding_windows(cls, hf_config) -> list[int | None]:
+        """``sliding_window`` of config.json on every layer (None when null: Mistral v0.2 and
+        later). Mistral's modeling ignores ``layer_types``, and so does this."""
         window = getattr(hf_config, "sliding_window", None)
-        return int(window) if window else None
+        return [int(window) if window else None] * int(hf_config.num_hidden_layers)
 
 
 @hookimpl

@@ -7,7 +7,10 @@ hidden_size / num_attention_heads (Qwen3 technical report, Yang et al. 2025; tra
 ``Qwen3Attention``). Long-context Qwen configs use YaRN rope scaling (core/layers/rotary.py).
 
 A sliding window is only in effect when ``use_sliding_window`` is true, and then only on layers
-``max_window_layers`` and up; as for Mistral, max_model_len is limited to the window then.
+``max_window_layers`` and up (transformers' ``Qwen2Config`` builds ``layer_types`` so:
+"sliding_attention" for layer i >= max_window_layers); a config's own ``layer_types`` wins.
+Such a model mixes full and windowed layers: each layer attends as its type says, and the block
+manager keeps whole block tables (core/model.py, ``kv_sliding_window``).
 """
 
 from __future__ import annotations
@@ -21,18 +24,17 @@ from pagebatch.layers.norm import RMSNorm
 from pagebatch.plugins.models.llama import LlamaAttention, LlamaForCausalLM
 
 
-def _sliding_window_limit(hf_config) -> int | None:
-    """The window if any layer of a Qwen config attends over one, else None."""
+def _sliding_windows(hf_config) -> list[int | None]:
+    """Per layer of a Qwen config: the window, or None for full attention."""
+    n = int(hf_config.num_hidden_layers)
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", False) or not window:
-        return None
+        return [None] * n
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        windowed = "sliding_attention" in layer_types
-    else:  # transformers < 5 has no layer_types: layers >= max_window_layers use the window
+    if layer_types is None:  # transformers < 5: layers >= max_window_layers use the window
         first = getattr(hf_config, "max_window_layers", 0)
-        windowed = first < hf_config.num_hidden_layers
-    return int(window) if windowed else None
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return [int(window) if t == "sliding_attention" else None for t in layer_types[:n]]
 
 
 class Qwen2Attention(LlamaAttention):
@@ -46,8 +48,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
 
     @classmethod
-    def max_model_len_limit(cls, hf_config) -> int | None:
-        return _sliding_window_limit(hf_config)
+    def sliding_windows(cls, hf_config) -> list[int | None]:
+        return _sliding_windows(hf_config)
 
 
 class Qwen3Attention(LlamaAttention):
