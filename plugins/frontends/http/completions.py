@@ -234,7 +234,7 @@ class Completions:
             messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request,
                                                          s.sampling_defaults)
             try:
-                prompt = s.engine.engine.chat_prompt(messages)
+                prompt = await s.engine.chat_prompt(messages, params.max_tokens)
             except proto.ApiError:
                 raise
             except Exception as e:  # template errors (jinja) are the messages' fault

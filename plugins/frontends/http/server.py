@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -30,6 +31,7 @@ from starlette.routing import Route
 import pagebatch
 from pagebatch import AsyncEngine, EngineConfig
 from pagebatch.errors import EngineDeadError
+from pagebatch.prompt_length import tokenize_within
 from pagebatch.request import SamplingParams
 
 from . import protocol as proto
@@ -95,6 +97,20 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones
+# on the engine's tokenizer threads.
+INLINE_JSON_BYTES = 64 * 2**10
+
+
+def _parse_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise proto.bad(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise proto.bad("request body is nested too deeply to parse") from None
+
+
 class Server:
     """The state behind the routes: the engine, the settings, the metrics."""
 
@@ -150,12 +166,10 @@ class Server:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise proto.bad(f"request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise proto.bad("request body is nested too deeply to parse") from None
+        data = b"".join(chunks)
+        # a large body is parsed on a worker thread (the event loop serves the others meanwhile)
+        body = (_parse_json(data) if len(data) <= INLINE_JSON_BYTES
+                else await self.engine.run_off_loop(_parse_json, data))
         if not isinstance(body, dict):
             raise proto.bad("request body must be a JSON object")
         return body
@@ -196,14 +210,15 @@ class Server:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
             if "messages" in body:
                 msgs = proto._messages(body["messages"])
-                ids = self.engine.engine.chat_prompt(msgs)["prompt_token_ids"]
+                ids = (await self.engine.chat_prompt(msgs))["prompt_token_ids"]
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise proto.bad("prompt must be a string (or give messages)", "prompt")
                 special = proto.flag(body, "add_special_tokens", True)
-                ids = self.tokenizer(proto.check_text(prompt, "prompt"),
-                                     add_special_tokens=special)["input_ids"]
+                ids = await self.engine.run_off_loop(
+                    partial(tokenize_within, self.tokenizer, proto.check_text(prompt, "prompt"),
+                            self.max_model_len, None, add_special_tokens=special))
         except Exception as e:
             return error_response(as_api_error(e))
         return JSONResponse({"tokens": ids, "count": len(ids),
@@ -222,7 +237,7 @@ class Server:
                                 "tokens")
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
-            text = self.tokenizer.decode(ids)
+            text = await self.engine.run_off_loop(self.tokenizer.decode, ids)
         except Exception as e:
             return error_response(as_api_error(e))
         return JSONResponse({"prompt": text})
