@@ -55,6 +55,7 @@ class Settings:
     max_n_per_request: int = 128
     allowed_origins: list[str] = field(default_factory=list)
     shutdown_timeout: float = 30.0
+    metrics_require_api_key: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Settings":
@@ -75,21 +76,39 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(err, exc.headers)
 
 
-class _ApiKeyMiddleware:
-    """401 on /v1/* unless ``Authorization: Bearer KEY`` matches (constant-time compare).
-    The path is the ASGI scope's, so a forged Host header or absolute URL cannot dodge it."""
+# Routes that read or compute on user input, and so need the API key when one is set: every
+# /v1/* route and these. /health and /version stay open; /metrics is open unless
+# metrics_require_api_key (docs/serving.md lists each route's rule).
+KEYED_PATHS = ("/tokenize", "/detokenize")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The credentials of the one ``Authorization: Bearer TOKEN`` header (the scheme is
+    case-insensitive, RFC 7235), else None (none, several, or another scheme)."""
+    values = [v for k, v in headers if k == b"authorization"]
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+class _ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer KEY`` matches (constant-time compare), on /v1/*,
+    KEYED_PATHS and (``metrics``) /metrics. The path is the ASGI scope's, so a forged Host
+    header or absolute URL cannot dodge it."""
+
+    def __init__(self, app: Any, api_key: str, metrics: bool = False) -> None:
         self.app, self.key = app, api_key.encode()
+        self.paths = KEYED_PATHS + (("/metrics",) if metrics else ())
+
+    def _keyed(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
-                scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = b""
-            for name, value in scope.get("headers", []):
-                if name == b"authorization":
-                    given = value
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._keyed(
+                scope["path"]):
+            given = _bearer_token(scope.get("headers", []))
+            if given is None or not hmac.compare_digest(given, self.key):
                 err = proto.ApiError(401, "invalid or missing API key: send 'Authorization: "
                                      "Bearer KEY'", code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
@@ -293,7 +312,8 @@ def build_app(engine: AsyncEngine, config: EngineConfig,
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     if settings.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key,
+                           metrics=settings.metrics_require_api_key)
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
