@@ -3,7 +3,8 @@
 The engine core runs in its own process (`AsyncEngine.from_config(config, multiprocess=True)`);
 this process tokenizes, detokenizes and speaks HTTP. Endpoints: POST /v1/completions,
 POST /v1/chat/completions (both streaming as server-sent events), GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's body
+GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json. Errors are
+OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: input errors 400 (before a stream opens),
 unknown model 404, API key 401, body too large 413, dead engine 503. A client that disconnects
 has its request aborted (all n samples) at once, written to or not (streams.py). On SIGTERM the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, AsyncIterator
 
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -35,9 +37,11 @@ from pagebatch.prompt_length import tokenize_within
 from pagebatch.request import SamplingParams
 
 from . import protocol as proto
+from . import schemas
 from .completions import Completions
 from .errors import as_api_error, error_response
 from .metrics import Metrics
+from .openapi import openapi_document
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +153,7 @@ class Server:
         self.active: set[str] = set()  # engine request ids of running HTTP requests
         self._abort_task: asyncio.Task | None = None
         self.completions = Completions(self)
+        self._openapi = openapi_document(bool(settings.api_key))
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -170,9 +175,10 @@ class Server:
         if user is not None and not isinstance(user, str):
             raise proto.bad(f"user must be a string, got {user!r:.50}", "user")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        """The request body as a JSON object; 413 past max_request_body_bytes, 400 if not
-        a JSON object."""
+    async def read_json(self, request: Request,
+                        schema: type[BaseModel] | None = None) -> dict[str, Any]:
+        """The request body as a JSON object, checked against ``schema`` (schemas.py) when
+        given; 413 past max_request_body_bytes, 400 if not a JSON object or not the schema's."""
         limit = self.settings.max_request_body_bytes
         too_big = proto.ApiError(413, f"request body is larger than {limit} bytes "
                                  f"(max_request_body_bytes)", code="request_too_large")
@@ -191,7 +197,7 @@ class Server:
                 else await self.engine.run_off_loop(_parse_json, data))
         if not isinstance(body, dict):
             raise proto.bad("request body must be a JSON object")
-        return body
+        return body if schema is None else schemas.validate(schema, body)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -217,13 +223,16 @@ class Server:
                 "max_model_len": self.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self._openapi)
+
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request)
+            body = await self.read_json(request, schemas.TokenizeRequest)
             self.check_model_and_user(body)
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
@@ -245,7 +254,7 @@ class Server:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request)
+            body = await self.read_json(request, schemas.DetokenizeRequest)
             self.check_model_and_user(body)
             ids = body.get("tokens")
             vocab = self.engine.engine.vocab_size
@@ -306,6 +315,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig,
         Route("/health", server.health, methods=["GET"]),
         Route("/version", server.version, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
