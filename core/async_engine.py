@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -33,6 +34,9 @@ from .request import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 _STEP_WAIT_S = 0.2  # the output thread's longest wait for the core, between shutdown checks
+# Threads that tokenize and apply chat templates, off the event loop (work that scales with the
+# input); bounded, so that many large bodies queue here instead of taking every core.
+TOKENIZER_THREADS = 2
 
 
 @dataclass
@@ -54,6 +58,8 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._stopping = threading.Event()
         self._stats_listeners: list[Callable[[EngineCoreStats], None]] = []
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="pagebatch-tokenize")
         self._thread = threading.Thread(target=self._output_loop, name="pagebatch-output",
                                         daemon=True)
         self._thread.start()
@@ -79,6 +85,8 @@ class AsyncEngine:
         the core is gone. Leaving the iteration early (break, cancellation) aborts the request.
         """
         loop = asyncio.get_running_loop()
+        self.check_health()
+        prompt = await self._tokenized(prompt, params)
         with self._lock:
             self.check_health()
             core_req, state = self.engine.prepare(prompt, params, request_id, priority)
@@ -91,6 +99,32 @@ class AsyncEngine:
                 del self._streams[rid]
                 raise
         return self._iterate(rid, stream.queue)
+
+    async def _tokenized(self, prompt: PromptType, params: SamplingParams | None) -> PromptType:
+        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (plus its other keys),
+        tokenized on a worker thread; other prompts unchanged."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict)
+            and "prompt_token_ids" not in prompt else None)
+        if not isinstance(text, str):
+            return prompt
+        max_tokens = params.max_tokens if params is not None else None
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            max_tokens = None  # validate() words a bad value, under the lock
+        ids = await self.run_off_loop(self.engine.tokenize_text, text, max_tokens)
+        rest = prompt if isinstance(prompt, dict) else {}
+        return {**rest, "prompt": text, "prompt_token_ids": ids}
+
+    async def chat_prompt(self, messages: list[dict[str, Any]],
+                          max_tokens: int | None = None) -> dict[str, Any]:
+        """`LLMEngine.chat_prompt` (the chat template, then tokenization) on a worker thread."""
+        return await self.run_off_loop(self.engine.chat_prompt, messages, max_tokens)
+
+    async def run_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer threads (TOKENIZER_THREADS): for work on user input
+        that scales with it (tokenizing, templating, decoding), which must not stall the event
+        loop and every other client with it."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def _iterate(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -201,6 +235,7 @@ class AsyncEngine:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
         self.engine.shutdown()
         self._fail_all(EngineDeadError("the engine was shut down"))

@@ -24,6 +24,7 @@ from .errors import (ContextLengthError, InvalidRequestError, InvalidTokenError,
 from .model_loader import eos_token_ids, generation_defaults, resolve_model
 from .registry import Registry, registry as default_registry
 from .output import RequestState, SampleState
+from .prompt_length import tokenize_within
 from .request import FinishReason, RequestOutput, SamplingParams
 from .tokenizer import chat_prompt_ids, load_tokenizer
 
@@ -96,14 +97,9 @@ class LLMEngine:
             params = self.default_sampling_params()
         params.validate()
         self._check_vocab(params)
-        text, ids = self._tokenize(prompt)
+        text, ids = self._tokenize(prompt, params.max_tokens)
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [(i, t) for i, t in enumerate(ids) if not (0 <= t < self.vocab_size)]
-        if bad:
-            i, t = bad[0]
-            raise InvalidTokenError(f"prompt token id {t} at position {i} is outside the "
-                                    f"vocabulary [0, {self.vocab_size})")
         n, limit = len(ids), self.max_model_len
         if params.max_tokens is None:
             if n >= limit:
@@ -113,6 +109,11 @@ class LLMEngine:
             raise ContextLengthError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{n + params.max_tokens} exceeds max_model_len={limit}")
+        bad = [(i, t) for i, t in enumerate(ids) if not (0 <= t < self.vocab_size)]
+        if bad:
+            i, t = bad[0]
+            raise InvalidTokenError(f"prompt token id {t} at position {i} is outside the "
+                                    f"vocabulary [0, {self.vocab_size})")
         rid = request_id if request_id is not None else str(next(self._ids))
         # n > 1: vLLM's child ids and seeds (seed + index when seeded, else drawn per sample)
         core_ids = [rid] if params.n == 1 else [f"{i}_{rid}" for i in range(params.n)]
@@ -160,12 +161,20 @@ class LLMEngine:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """``text``'s prompt token ids; raises ContextLengthError as soon as a prefix of it
+        cannot fit max_model_len with ``max_tokens`` (core/prompt_length.py), and
+        InvalidRequestError without a tokenizer. Touches no engine state: `AsyncEngine` calls
+        it on a worker thread."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer (dummy weights): give "
+                                      "{'prompt_token_ids': [...]}")
+        return tokenize_within(self.tokenizer, text, self.max_model_len, max_tokens) if text else []
+
+    def _tokenize(self, prompt: PromptType,
+                  max_tokens: int | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer (dummy weights): give "
-                                          "{'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer(prompt)["input_ids"] if prompt else []
+            return prompt, self.tokenize_text(prompt, max_tokens)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -174,14 +183,20 @@ class LLMEngine:
                     raise InvalidRequestError("prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+                return self._tokenize(prompt["prompt"], max_tokens)
         raise InvalidRequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
                                   f"got {type(prompt).__name__}")
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[dict[str, Any]],
+                    max_tokens: int | None = None) -> dict[str, Any]:
+        """``{"prompt_token_ids": [...]}`` of ``messages`` through the chat template; text that
+        cannot fit max_model_len with ``max_tokens`` is refused early (as `tokenize_text`).
+        Touches no engine state (`AsyncEngine` calls it on a worker thread)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer (dummy weights)")
-        return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages)}
+        return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages,
+                                                    max_model_len=self.max_model_len,
+                                                    max_tokens=max_tokens)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:

@@ -214,6 +214,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_finished_to_report(self) -> bool:
+        """Requests finished since the last `schedule`, which the next SchedulerOutput tells
+        the runner of (it frees their input-batch rows)."""
+        return bool(self._finished_ids)
+
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -239,7 +245,8 @@ class Scheduler:
         out = SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled),
                               self._finished_ids, preempted)
         self._finished_ids = []
-        self.stats.num_steps += 1
+        if scheduled or self.requests:  # not the idle step that only reports finished ids
+            self.stats.num_steps += 1
         return out
 
     def _step_seq_cap(self) -> int:

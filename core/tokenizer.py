@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequestError, ModelNotFoundError
+from .prompt_length import tokenize_within
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -19,11 +20,14 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, max_model_len: int | None = None,
+                    max_tokens: int | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template.
 
     The template text already holds any BOS, so it is tokenized without adding special tokens
-    (one BOS, not two). Raises InvalidRequestError for malformed messages or no template.
+    (one BOS, not two). Raises InvalidRequestError for malformed messages or no template; with
+    ``max_model_len``, ContextLengthError as soon as a prefix of the text cannot fit it
+    (core/prompt_length.py) instead of tokenizing it all.
     """
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -34,4 +38,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                                   "with a plain prompt")
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
+    if max_model_len is not None:
+        return tokenize_within(tokenizer, text, max_model_len, max_tokens,
+                               add_special_tokens=False, what="the chat prompt")
     return tokenizer(text, add_special_tokens=False)["input_ids"]

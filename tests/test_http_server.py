@@ -472,6 +472,10 @@ def test_api_key_401(base):
         r = httpx.post(base + path, json={"model": MODEL, "prompt": PROMPT},
                        headers={"Authorization": f"Bearer {KEY}x"})
         assert r.status_code == 401, path
-    # outside /v1 no key is needed
+    # /tokenize and /detokenize compute on user input: keyed too (tests/test_http_auth.py)
+    assert httpx.post(base + "/tokenize", json={"prompt": PROMPT}).status_code == 401
+    # /health, /version and (by default) /metrics need no key
     assert httpx.get(base + "/metrics").status_code == 200
-    assert httpx.post(base + "/tokenize", json={"prompt": PROMPT}).status_code == 200
+    r = httpx.post(base + "/tokenize", json={"prompt": PROMPT},
+                   headers={"Authorization": f"bearer {KEY}"})  # RFC 7235: any case
+    assert r.status_code == 200

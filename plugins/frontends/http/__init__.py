@@ -41,7 +41,10 @@ OPTIONS = [
     ConfigOption("host", "127.0.0.1", "address the HTTP server listens on", str),
     ConfigOption("port", 8000, "TCP port the HTTP server listens on", parse_int(0, 65535)),
     ConfigOption("api_key", None, "key clients must send as 'Authorization: Bearer KEY' on "
-                 "/v1/* (default: $PAGEBATCH_API_KEY; none = no check)", _parse_optional_str),
+                 "/v1/*, /tokenize and /detokenize (default: $PAGEBATCH_API_KEY; none = no "
+                 "check)", _parse_optional_str),
+    ConfigOption("metrics_require_api_key", False, "with an api_key, /metrics needs it too "
+                 "(default: /metrics is open, for Prometheus scrapers)", parse_bool),
     ConfigOption("served_model_name", None, "model name the API answers to (default: the "
                  "model key)", _parse_optional_str),
     ConfigOption("max_request_body_bytes", 16 * 2**20, "largest request body accepted "

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from pagebatch.request import CompletionOutput, RequestOutput
 
 from . import protocol as proto
+from . import schemas
 from .errors import as_api_error, error_response, new_id
 from .streams import EventStreamResponse, merge, sse, until_disconnected
 
@@ -81,7 +82,7 @@ class Completions:
         s = self.s
         try:
             s.check_accepting()
-            body = await s.read_json(request)
+            body = await s.read_json(request, schemas.CompletionRequest)
             s.check_model_and_user(body)
             prompts, params, opts = proto.completion_request(
                 body, s.settings.max_prompts_per_request, s.settings.max_n_per_request,
@@ -229,12 +230,12 @@ class Completions:
         s = self.s
         try:
             s.check_accepting()
-            body = await s.read_json(request)
+            body = await s.read_json(request, schemas.ChatCompletionRequest)
             s.check_model_and_user(body)
             messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request,
                                                          s.sampling_defaults)
             try:
-                prompt = s.engine.engine.chat_prompt(messages)
+                prompt = await s.engine.chat_prompt(messages, params.max_tokens)
             except proto.ApiError:
                 raise
             except Exception as e:  # template errors (jinja) are the messages' fault

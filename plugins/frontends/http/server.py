@@ -3,7 +3,8 @@
 The engine core runs in its own process (`AsyncEngine.from_config(config, multiprocess=True)`);
 this process tokenizes, detokenizes and speaks HTTP. Endpoints: POST /v1/completions,
 POST /v1/chat/completions (both streaming as server-sent events), GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's body
+GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json. Errors are
+OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: input errors 400 (before a stream opens),
 unknown model 404, API key 401, body too large 413, dead engine 503. A client that disconnects
 has its request aborted (all n samples) at once, written to or not (streams.py). On SIGTERM the
@@ -19,8 +20,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator
 
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -30,12 +33,15 @@ from starlette.routing import Route
 import pagebatch
 from pagebatch import AsyncEngine, EngineConfig
 from pagebatch.errors import EngineDeadError
+from pagebatch.prompt_length import tokenize_within
 from pagebatch.request import SamplingParams
 
 from . import protocol as proto
+from . import schemas
 from .completions import Completions
 from .errors import as_api_error, error_response
 from .metrics import Metrics
+from .openapi import openapi_document
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class Settings:
     allowed_origins: list[str] = field(default_factory=list)
     shutdown_timeout: float = 30.0
     metrics_vllm_names: bool = False
+    metrics_require_api_key: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Settings":
@@ -74,26 +81,58 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(err, exc.headers)
 
 
-class _ApiKeyMiddleware:
-    """401 on /v1/* unless ``Authorization: Bearer KEY`` matches (constant-time compare).
-    The path is the ASGI scope's, so a forged Host header or absolute URL cannot dodge it."""
+# Routes that read or compute on user input, and so need the API key when one is set: every
+# /v1/* route and these. /health and /version stay open; /metrics is open unless
+# metrics_require_api_key (docs/serving.md lists each route's rule).
+KEYED_PATHS = ("/tokenize", "/detokenize")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The credentials of the one ``Authorization: Bearer TOKEN`` header (the scheme is
+    case-insensitive, RFC 7235), else None (none, several, or another scheme)."""
+    values = [v for k, v in headers if k == b"authorization"]
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+class _ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer KEY`` matches (constant-time compare), on /v1/*,
+    KEYED_PATHS and (``metrics``) /metrics. The path is the ASGI scope's, so a forged Host
+    header or absolute URL cannot dodge it."""
+
+    def __init__(self, app: Any, api_key: str, metrics: bool = False) -> None:
         self.app, self.key = app, api_key.encode()
+        self.paths = KEYED_PATHS + (("/metrics",) if metrics else ())
+
+    def _keyed(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
-                scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = b""
-            for name, value in scope.get("headers", []):
-                if name == b"authorization":
-                    given = value
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._keyed(
+                scope["path"]):
+            given = _bearer_token(scope.get("headers", []))
+            if given is None or not hmac.compare_digest(given, self.key):
                 err = proto.ApiError(401, "invalid or missing API key: send 'Authorization: "
                                      "Bearer KEY'", code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones
+# on the engine's tokenizer threads.
+INLINE_JSON_BYTES = 64 * 2**10
+
+
+def _parse_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise proto.bad(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise proto.bad("request body is nested too deeply to parse") from None
 
 
 class Server:
@@ -116,6 +155,7 @@ class Server:
         self.active: set[str] = set()  # engine request ids of running HTTP requests
         self._abort_task: asyncio.Task | None = None
         self.completions = Completions(self)
+        self._openapi = openapi_document(bool(settings.api_key))
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -137,9 +177,10 @@ class Server:
         if user is not None and not isinstance(user, str):
             raise proto.bad(f"user must be a string, got {user!r:.50}", "user")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        """The request body as a JSON object; 413 past max_request_body_bytes, 400 if not
-        a JSON object."""
+    async def read_json(self, request: Request,
+                        schema: type[BaseModel] | None = None) -> dict[str, Any]:
+        """The request body as a JSON object, checked against ``schema`` (schemas.py) when
+        given; 413 past max_request_body_bytes, 400 if not a JSON object or not the schema's."""
         limit = self.settings.max_request_body_bytes
         too_big = proto.ApiError(413, f"request body is larger than {limit} bytes "
                                  f"(max_request_body_bytes)", code="request_too_large")
@@ -152,15 +193,13 @@ class Server:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise proto.bad(f"request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise proto.bad("request body is nested too deeply to parse") from None
+        data = b"".join(chunks)
+        # a large body is parsed on a worker thread (the event loop serves the others meanwhile)
+        body = (_parse_json(data) if len(data) <= INLINE_JSON_BYTES
+                else await self.engine.run_off_loop(_parse_json, data))
         if not isinstance(body, dict):
             raise proto.bad("request body must be a JSON object")
-        return body
+        return body if schema is None else schemas.validate(schema, body)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -186,26 +225,30 @@ class Server:
                 "max_model_len": self.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self._openapi)
+
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request)
+            body = await self.read_json(request, schemas.TokenizeRequest)
             self.check_model_and_user(body)
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
             if "messages" in body:
                 msgs = proto._messages(body["messages"])
-                ids = self.engine.engine.chat_prompt(msgs)["prompt_token_ids"]
+                ids = (await self.engine.chat_prompt(msgs))["prompt_token_ids"]
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise proto.bad("prompt must be a string (or give messages)", "prompt")
                 special = proto.flag(body, "add_special_tokens", True)
-                ids = self.tokenizer(proto.check_text(prompt, "prompt"),
-                                     add_special_tokens=special)["input_ids"]
+                ids = await self.engine.run_off_loop(
+                    partial(tokenize_within, self.tokenizer, proto.check_text(prompt, "prompt"),
+                            self.max_model_len, None, add_special_tokens=special))
         except Exception as e:
             return error_response(as_api_error(e))
         return JSONResponse({"tokens": ids, "count": len(ids),
@@ -213,7 +256,7 @@ class Server:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request)
+            body = await self.read_json(request, schemas.DetokenizeRequest)
             self.check_model_and_user(body)
             ids = body.get("tokens")
             vocab = self.engine.engine.vocab_size
@@ -224,7 +267,7 @@ class Server:
                                 "tokens")
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
-            text = self.tokenizer.decode(ids)
+            text = await self.engine.run_off_loop(self.tokenizer.decode, ids)
         except Exception as e:
             return error_response(as_api_error(e))
         return JSONResponse({"prompt": text})
@@ -274,13 +317,15 @@ def build_app(engine: AsyncEngine, config: EngineConfig,
         Route("/health", server.health, methods=["GET"]),
         Route("/version", server.version, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     if settings.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key,
+                           metrics=settings.metrics_require_api_key)
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 

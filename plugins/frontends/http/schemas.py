@@ -1,0 +1,164 @@
+"""The request bodies of the HTTP API as pydantic models, defined once: `validate` checks a
+parsed body against its model (every known field by type, messages and content parts by type
+and value: a role that is no role, a text part whose text is no string, are 400s naming the
+field), and openapi.py builds ``/openapi.json`` from the same models.
+
+Types are strict (no coercion: ``"5"`` is no integer, ``1`` no boolean). Unknown top-level fields
+are accepted, as OpenAI clients and benchmark tools send their own; the value ranges of sampling
+fields are `SamplingParams.validate`'s and protocol.py's, which word them with their limits.
+Shapes follow OpenAI's API and vLLM's extensions (vllm/entrypoints/openai/protocol.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagebatch.request import MAX_LOGPROBS
+
+from .protocol import ApiError
+
+_TOP = ConfigDict(strict=True, extra="allow")  # unknown top-level fields: accepted
+
+TokenIds = list[int]
+Stop = Union[str, list[str]]
+
+
+class TextPart(BaseModel):
+    """A content part of a chat message: text only (no multimodal input in this version)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation; other keys (``name``, ...) go to the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
+
+
+class _Common(BaseModel):
+    """Fields both generation endpoints share (OpenAI's, then vLLM's sampling extensions)."""
+
+    model_config = _TOP
+    model: str | None = None
+    user: str | None = None
+    n: int | None = Field(None, ge=1, description="samples per prompt")
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo (scores the prompt)")
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias")
+    stop: Stop | None = Field(None, description="a string or a list of strings")
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, TokenIds, list[Union[str, TokenIds]]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of token-id "
+                    "lists (non-empty)")
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="the number of top tokens")
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    echo: bool | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: ``prompt`` or ``messages``."""
+
+    model_config = _TOP
+    model: str | None = None
+    user: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model_config = _TOP
+    model: str | None = None
+    user: str | None = None
+    tokens: TokenIds
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    """pydantic's error location as a field path: ``messages[0].content[1].text``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _described(model: type[BaseModel], field: str) -> str | None:
+    info = model.model_fields.get(field)
+    return info.description if info is not None else None
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` unchanged when it fits ``model``; else ApiError 400 whose message names the
+    field (its path), what it must be and the value given, and whose param is the path."""
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        top = errors[0]["loc"][0] if errors[0]["loc"] else None
+        union = sum(1 for err in errors if err["loc"][:1] == (top,)) > 1
+        desc = _described(model, top) if isinstance(top, str) else None
+        if union and desc:  # one field, several union members failed: say what it may be
+            value = body.get(top)
+            raise ApiError(400, f"{top} must be {desc}, got {value!r:.100}", param=top) from None
+        # a union's members each fail: the deepest location is the one that says what is wrong
+        locs = [_strip_union_tags(err["loc"]) for err in errors]
+        deepest = max(locs, key=len)
+        here = [err for err, loc in zip(errors, locs) if loc == deepest]
+        path = _path(deepest)
+        what = " or ".join(dict.fromkeys(err["msg"] for err in here))
+        given = f", got {here[0]['input']!r:.100}" if here[0]["type"] != "missing" else ""
+        raise ApiError(400, f"{path or 'body'}: {what}{given}", param=path or None) from None
+    return body
+
+
+def _strip_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop pydantic's union member tags (``'str'``, ``'list[TextPart]'``) from a location."""
+    return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in
+                                                          ("str", "int", "float", "bool",
+                                                           "TextPart", "none")))
