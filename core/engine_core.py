@@ -224,9 +224,10 @@ class EngineCore:
         stage) the call returns at once while fewer steps are in flight and something new could
         be scheduled; otherwise it waits for the oldest.
 
-        A failure of a step finishes its requests with reason ``error`` and the engine goes on
-        with the others; raises EngineDeadError when the executor cannot run steps any more
-        (a parallel worker died)."""
+        Raises EngineDeadError when a model step raises (the engine cannot go on safely:
+        `_step_failed`) or the executor cannot run steps any more (a parallel worker died).
+        A request's own failure (its detokenizer, its stop check, a bad input) is the front
+        half's and fails that request alone."""
         outputs: list[EngineCoreOutput] = []
         queue = self._batch_queue
         if len(queue) < self._max_in_flight:
@@ -237,8 +238,8 @@ class EngineCore:
                 handle = self.executor.execute_model(so)
             except EngineDeadError:
                 raise
-            except Exception as e:  # one bad step must not kill the engine
-                return outputs + self._fail_step(so, e)
+            except Exception as e:
+                raise self._step_failed(so, e) from e
             if not so.is_empty:
                 queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
                 if len(queue) < self._max_in_flight:
@@ -251,7 +252,7 @@ class EngineCore:
         except EngineDeadError:
             raise
         except Exception as e:
-            return outputs + self._fail_step(step.so, e)
+            raise self._step_failed(step.so, e) from e
         return outputs + self._update(step, result)
 
     def _mark_scheduled(self, so: SchedulerOutput) -> None:
@@ -269,12 +270,14 @@ class EngineCore:
         return {sr.request_id: (reqs[sr.request_id], reqs[sr.request_id].num_preemptions)
                 for sr in so.scheduled if sr.sample}
 
-    def _fail_step(self, so: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
-        logger.exception("model step failed; finishing its %d requests with an error",
+    def _step_failed(self, so: SchedulerOutput, e: Exception) -> EngineDeadError:
+        """A model step raised: the engine is dead (as vLLM's). The device state the step was
+        changing (the KV cache it was writing, the runner's persistent batch, CUDA graphs, a
+        CUDA context after a device error) cannot be trusted for the requests that remain, so
+        none is run on it; every open request gets the error, and a served engine exits."""
+        logger.exception("model step of %d requests failed; the engine is dead",
                          len(so.scheduled))
-        reqs = self.scheduler.abort_requests([sr.request_id for sr in so.scheduled])
-        msg = f"{type(e).__name__}: {e}"
-        return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR.value, msg) for r in reqs]
+        return EngineDeadError(f"a model step failed: {type(e).__name__}: {e}")
 
     def _update(self, step: _InFlight, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Append the step's sampled tokens to their requests and build the outputs."""

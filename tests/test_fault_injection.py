@@ -6,8 +6,9 @@ test_engine_core_client.py).
 
 - an exception in one request's own processing (its detokenizer, its stop-string checker) fails
   that request alone with an error naming the cause; the others finish;
-- an exception in a model step fails the requests of that step with the cause, and the engine
-  goes on (DESIGN.md: one request's failure never stops the engine; core/engine_core.py);
+- an exception in a model step marks the engine dead (as vLLM's: the device state the step was
+  changing cannot be trusted; core/engine_core.py `_step_failed`): in process every open stream
+  gets EngineDeadError naming the cause and health fails; served, the same, and the core exits;
 - an exception in the engine core's loop outside a step (the scheduler) kills the core: every
   open stream gets EngineDeadError, the process exits with status 1, nothing is left running;
 - `pagebatch serve` with a start-up error exits non-zero, naming the cause.
@@ -93,7 +94,7 @@ def test_stop_checker_fault_fails_its_request_alone(inproc, monkeypatch):
     _assert_only_poisoned_failed(finals, {1}, "injected stop-checker fault")
 
 
-def test_model_step_fault_fails_that_step_and_the_engine_goes_on(inproc, monkeypatch):
+def test_model_step_fault_marks_the_engine_dead(inproc, monkeypatch):
     runner = inproc.engine.core.core.runner
     execute = runner.execute
     calls = {"n": 0}
@@ -105,39 +106,52 @@ def test_model_step_fault_fails_that_step_and_the_engine_goes_on(inproc, monkeyp
         return execute(so)
 
     monkeypatch.setattr(runner, "execute", faulty)
-    finals = asyncio.run(_run(inproc, [[5, 6], [7, 8]], [_params()] * 2))
-    assert all(f.outputs[0].finish_reason == "error" and "injected model-step fault" in f.error
-               for f in finals), finals
-    inproc.check_health()  # not dead
-    (again,) = asyncio.run(_run(inproc, [[5, 6]], [_params()]))
-    assert again.error is None and len(again.outputs[0].token_ids) == 6
-    core = inproc.engine.core.core
-    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+
+    async def go():
+        async def one(i):
+            try:
+                async for _ in await inproc.add_request({"prompt_token_ids": [5 + i, 6]},
+                                                        _params(max_tokens=20), f"m{i}"):
+                    pass
+                return "finished"
+            except EngineDeadError as e:
+                return str(e)
+        return await asyncio.gather(one(0), one(1))
+
+    results = asyncio.run(go())
+    assert all("injected model-step fault" in r for r in results), results
+    with pytest.raises(EngineDeadError, match="injected model-step fault"):
+        inproc.check_health()
+    with pytest.raises(EngineDeadError):  # nothing new is taken
+        asyncio.run(_run(inproc, [[5, 6]], [_params()]))
 
 
-def faulty_core_main(after_steps: int, *args: Any, **kwargs: Any) -> None:
-    """`run_engine_core` whose scheduler raises on its ``after_steps``-th schedule (outside the
-    step's own error handling): the core loop itself fails."""
+def faulty_core_main(after_steps: int, where: str, *args: Any, **kwargs: Any) -> None:
+    """`run_engine_core` whose scheduler (``where="scheduler"``, outside the step's own error
+    handling) or model runner (``"model"``) raises on its ``after_steps``-th call."""
     from pagebatch.core_proc import run_engine_core
+    from pagebatch.model_runner import ModelRunner
     from pagebatch.scheduler import Scheduler
 
-    schedule, calls = Scheduler.schedule, [0]
+    owner, name = (Scheduler, "schedule") if where == "scheduler" else (ModelRunner, "execute")
+    inner, calls = getattr(owner, name), [0]
 
-    def faulty(self):
+    def faulty(self, *a, **k):
         calls[0] += 1
         if calls[0] == after_steps:
-            raise RuntimeError("injected scheduler fault")
-        return schedule(self)
+            raise RuntimeError(f"injected {where} fault")
+        return inner(self, *a, **k)
 
-    Scheduler.schedule = faulty
+    setattr(owner, name, faulty)
     run_engine_core(*args, **kwargs)
 
 
-def test_core_loop_fault_marks_the_engine_dead(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("where", ["scheduler", "model"])
+def test_core_fault_marks_the_served_engine_dead(tiny_model_dir, monkeypatch, where):
     import test_fault_injection as me  # pickled by reference into the "spawn" child
     from pagebatch import core_client
 
-    monkeypatch.setattr(core_client, "run_engine_core", partial(me.faulty_core_main, 4))
+    monkeypatch.setattr(core_client, "run_engine_core", partial(me.faulty_core_main, 4, where))
     before = engine_core_children()
     with one_thread_children():
         engine = AsyncEngine.from_config(engine_config(tiny_model_dir, KEYS), multiprocess=True)
@@ -158,7 +172,7 @@ def test_core_loop_fault_marks_the_engine_dead(tiny_model_dir, monkeypatch):
 
         results = asyncio.run(go())
         assert results and all(r != "finished" for r in results), results
-        assert "injected scheduler fault" in results[0], results[0]
+        assert f"injected {where} fault" in results[0], results[0]
         with pytest.raises(EngineDeadError):
             engine.check_health()
         proc.join(10)
