@@ -479,3 +479,30 @@ def test_api_key_401(base):
     r = httpx.post(base + "/tokenize", json={"prompt": PROMPT},
                    headers={"Authorization": f"bearer {KEY}"})  # RFC 7235: any case
     assert r.status_code == 200
+
+
+def test_a_model_without_tokenizer_streams_a_chunk_per_step(tiny_model_dir, tmp_path):
+    """Token-id prompts on a folder with no tokenizer (every text empty): a stream still gets a
+    chunk for each step that generated tokens (vLLM's rule), so a client's TTFT is the first
+    token's, not the last's (`pagebatch bench serve` against dummy-weight model folders)."""
+    import shutil
+
+    from http_helpers import tiny_server
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / f, bare / f)
+    from http_helpers import ENGINE_KEYS
+
+    with tiny_server(bare, {**ENGINE_KEYS, "load_format": "dummy"}) as base:
+        with httpx.Client(base_url=base, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as h:
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            r = h.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            chunks = events(r.text)
+    choice_chunks = [c for c in chunks if c.get("choices")]
+    assert len(choice_chunks) >= 5, chunks  # one per generated token (one token a step here)
+    assert choice_chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -195,9 +195,10 @@ class Completions:
                         prefix = self._echo_text(out)
                         if out.prompt_logprobs is not None:
                             positions = list(out.prompt_logprobs) + list(positions)
-                    ch.chars, ch.tokens = len(c.text), len(c.token_ids)
-                    reason = c.finish_reason
-                    if not (prefix or text or reason or positions):
+                    new_tokens = len(c.token_ids) > ch.tokens  # (vLLM's rule: a chunk per
+                    ch.chars, ch.tokens = len(c.text), len(c.token_ids)  # step with new ids,
+                    reason = c.finish_reason  # even while the detokenizer holds text back)
+                    if not (prefix or text or reason or positions or new_tokens):
                         continue
                     lps = None
                     if c.logprobs is not None or (first and out.prompt_logprobs is not None):
@@ -297,8 +298,9 @@ class Completions:
                         continue
                     text = c.text[ch.chars:]
                     positions = c.logprobs[ch.tokens:] if c.logprobs is not None else []
+                    new_tokens = len(c.token_ids) > ch.tokens  # a chunk per step with new ids
                     ch.chars, ch.tokens = len(c.text), len(c.token_ids)
-                    if not (text or c.finish_reason or positions):
+                    if not (text or c.finish_reason or positions or new_tokens):
                         continue
                     lps = (proto.chat_logprobs(positions, opts["top_logprobs"], s.decode)
                            if c.logprobs is not None else None)
