@@ -8,7 +8,8 @@ runner owns the tensors; this module only hands out ids.
 Prefix caching (the design of vLLM v1's KV cache manager): a full block is identified by a hash
 chained over the blocks before it, ``hash(parent_hash, token_ids, extra_keys)`` (SHA-256, with a
 random per-process seed as the root so hashes cannot be predicted across processes or tenants;
-a request's ``cache_salt`` goes into the extra keys of its first block). A new request reuses the
+a request's ``cache_salt`` goes into the extra keys of its first block; core/block_hash.py). A
+hit also compares the block's token ids and parent digest, so even a digest collision is a miss. A new request reuses the
 longest run of cached blocks matching its prompt (ref count + 1) and computes only the rest.
 Freed blocks keep their hash and go to the back of a doubly linked free queue in LRU order with
 O(1) removal (vLLM's ``FreeKVCacheBlockQueue``); they are evicted lazily, only when handed out
@@ -27,38 +28,11 @@ holds O(window) blocks, not O(length). Models with full-attention layers get no 
 
 from __future__ import annotations
 
-import hashlib
-import os
-from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from .block_hash import BlockHash
 from .kv_window import max_blocks_held, num_skipped_blocks, window_hit_length
-
-BlockHash = bytes
-_ROOT_HASH: BlockHash = os.urandom(32)  # per-process seed of every hash chain
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """SHA-256 over (parent hash, token ids, extra keys); the root parent is a random seed."""
-    h = hashlib.sha256(parent if parent is not None else _ROOT_HASH)
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra)
-    return h.digest()
-
-
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None) -> None:
-    """Append the hashes of blocks that became full since ``hashes`` was last extended.
-
-    Each block is hashed once, when it fills. ``token_ids``: the request's prompt + outputs.
-    """
-    start = len(hashes)
-    for i in range(start, len(token_ids) // block_size):
-        parent = hashes[i - 1] if i else None
-        extra = cache_salt.encode() if (i == 0 and cache_salt) else b""
-        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
-
 
 @dataclass(eq=False)
 class KVCacheBlock:

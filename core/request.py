@@ -191,7 +191,7 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     cache_salt: str | None = None  # joins the prefix-cache hash of the first block
-    block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
+    block_hashes: list = field(default_factory=list)  # kv_cache.BlockHash per full block, chained
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     skip_prefix_cache: bool = False  # e.g. prompt logprobs need every prompt position computed
     first_scheduled_time: float | None = None  # time.monotonic(), for queue-time metrics

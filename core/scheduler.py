@@ -25,7 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from .kv_cache import KVCacheManager, extend_block_hashes
+from .block_hash import extend_block_hashes
+from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
 from .sampling_state import SamplingState
 

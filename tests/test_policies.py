@@ -139,7 +139,7 @@ def test_lpm_caches_match_lengths_between_cache_changes(monkeypatch):
     sched.add_request(req("warm", SYSTEM + [50, 51]))
     run(sched, SharedCacheRunner(4))
     waiting = [req(f"w{i}", SYSTEM + [60 + i] * 3) for i in range(5)]
-    from pagebatch.kv_cache import extend_block_hashes
+    from pagebatch.block_hash import extend_block_hashes
     for r in waiting:
         extend_block_hashes(r.block_hashes, r.all_token_ids, 4)
     calls = []

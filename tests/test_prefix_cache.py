@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers_sched import FakeRunner, check_block_invariants, make_request, reference_outputs
-from pagebatch.kv_cache import KVCacheManager, extend_block_hashes, hash_block
+from pagebatch.block_hash import extend_block_hashes, hash_block
+from pagebatch.kv_cache import KVCacheManager
 from pagebatch.scheduler import Scheduler
 from pagebatch.schedulers.fcfs import FCFSPolicy
 
@@ -81,6 +82,29 @@ def test_hit_shares_blocks_and_ref_counts():
     # a freed its unshared tail (2); b frees tail first (3, 1, 0); hashes stay on free blocks
     assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
     assert kv.pool.blocks[0].block_hash == h[0] and kv.pool.blocks[1].block_hash == h[1]
+
+
+def test_a_forced_digest_collision_is_a_miss(monkeypatch):
+    """Every digest the same (a forced SHA-256 collision): a cached block is still a hit only
+    for the same token ids after the same parent, so no request reads another's KV."""
+    from pagebatch import block_hash
+
+    monkeypatch.setattr(block_hash, "_digest", lambda parent, token_ids, extra: b"\0" * 32)
+    kv = KVCacheManager(16, 4, enable_caching=True)
+    a = []
+    extend_block_hashes(a, list(range(12)), 4)
+    assert kv.allocate_slots("a", 12, (), a) == [0, 1, 2]
+    assert len({h.digest for h in a}) == 1  # the collision is real
+    other = []
+    extend_block_hashes(other, [9, 9, 9, 9, 4, 5, 6, 7, 8, 9, 10, 11], 4)
+    assert kv.get_computed_blocks(other, 12) == []  # block 0 differs: no hit at all
+    half = []
+    extend_block_hashes(half, [0, 1, 2, 3, 7, 7, 7, 7, 8, 9, 10, 11], 4)
+    assert [b.block_id for b in kv.get_computed_blocks(half, 12)] == [0]  # then a miss
+    assert kv.num_cached_prefix_blocks(half) == 1
+    same = []
+    extend_block_hashes(same, list(range(12)), 4)
+    assert [b.block_id for b in kv.get_computed_blocks(same, 12)] == [0, 1]
 
 
 def test_last_token_is_always_computed():
