@@ -59,7 +59,7 @@ class CoreBusyLoop:
         the aborts and of the step."""
         outputs: list[EngineCoreOutput] = []
         try:
-            if self.core.has_unfinished_requests:
+            if self.core.has_work:
                 msg = self.inbox.get_nowait()
             else:
                 msg = self.inbox.get(timeout=timeout)
@@ -68,7 +68,7 @@ class CoreBusyLoop:
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             pass
-        if not self.stopped and self.core.has_unfinished_requests:
+        if not self.stopped and self.core.has_work:
             outputs.extend(self.core.step())
         return outputs
 

@@ -198,11 +198,15 @@ class EngineCore:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, steps still in flight (their results must be taken), or
-        finished requests the runners have not been told of (one more, empty, step frees their
-        input-batch rows: an idle engine holds no request's state)."""
-        return (self.scheduler.has_unfinished_requests or bool(self._batch_queue)
-                or self.scheduler.has_finished_to_report)
+        """Requests not finished, or steps still in flight (their results must be taken)."""
+        return self.scheduler.has_unfinished_requests or bool(self._batch_queue)
+
+    @property
+    def has_work(self) -> bool:
+        """`has_unfinished_requests`, or finished requests the runners have not been told of:
+        one more, empty, step frees their input-batch rows, so that an idle engine's loop
+        (core/core_proc.py) leaves no request's state behind."""
+        return self.has_unfinished_requests or self.scheduler.has_finished_to_report
 
     def _drain_rejected(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
