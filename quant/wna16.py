@@ -13,7 +13,12 @@ Canonical layout (per linear layer, K = input features, N = output features, all
   channels sorted by group once at load; ``apply`` gathers ``x[:, perm]``;
 - ``g_idx`` int32 ``[K]`` or None: only when the sorted groups are not contiguous runs of
   ``group_size`` (a g_idx that no GPTQ tool writes, but accepted): the kernel then reads each
-  row's group.
+  row's group;
+- ``shard_orders`` or None: the fallback for a merged layer (q/k/v, gate/up) whose output shards
+  carry different act-order permutations (legal in the GPTQ format: shards calibrated apart).
+  Each shard's columns are sorted by its own groups, ``perm`` and ``g_idx`` are None, and
+  ``apply`` runs one gather and one product per shard, concatenating the outputs: a list of
+  ``(start, size, perm or None, g_idx or None)`` in output order.
 
 On CUDA ``apply`` runs the Triton kernels in quant/kernels/wna16.py; elsewhere it dequantizes and
 multiplies in torch.
@@ -116,10 +121,10 @@ class WNA16Method(QuantMethod):
         layer.register_buffer("zeros", torch.zeros(n_groups, n, dtype=dtype, device=device))
         layer.register_buffer("perm", None)
         layer.register_buffer("g_idx", None)
+        layer.shard_orders = None
         layer.wgroup_size = gs
         layer.quant_pending = {}  # shard -> {checkpoint name: tensor}, until complete
-        layer.quant_gidx_seen = False  # the first shard's g_idx (act-order, else None) is
-        layer.quant_gidx = None  # kept to compare the other shards' with
+        layer.quant_orders = {}  # shard -> its act-order (perm, sorted g_idx or None), or None
         make_bias(layer, dtype, device)
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
@@ -168,37 +173,49 @@ class WNA16Method(QuantMethod):
 
     def _apply_act_order(self, layer: LinearBase, shard: int | None, intweight: Tensor,
                          g_idx: Tensor | None) -> Tensor:
-        """Sort the input channels by group (once, at load). Every shard of a merged layer
-        shares one input, and must share one g_idx (GPTQ's act-order permutation comes from the
-        Hessian of that input)."""
+        """Sort the input channels by group (once, at load). The shards of a merged layer
+        share one input and, as GPTQ's act-order permutation comes from the Hessian of that
+        input, usually one g_idx: then the layer keeps one ``perm`` (the fast path). Shards
+        with different g_idx (calibrated apart) switch the layer to ``shard_orders``."""
         k, gs = layer.input_size, layer.wgroup_size
         if g_idx is not None and not self.whole_groups(layer):
             g_idx = g_idx - layer.input_range[0] // gs  # a row-parallel rank's own groups
-        trivial = g_idx is None or torch.equal(g_idx.long().cpu(), default_g_idx(k, gs).long())
-        key = None if trivial else g_idx.long().cpu()
-        first = not layer.quant_gidx_seen
-        if first:
-            layer.quant_gidx_seen = True
-            layer.quant_gidx = key
-        elif not ((key is None and layer.quant_gidx is None) or (
-                key is not None and layer.quant_gidx is not None
-                and torch.equal(key, layer.quant_gidx))):
-            raise ValueError(f"{self.name}: output shard {shard} has a different g_idx from the "
-                             f"other shards of its fused layer (desc_act checkpoints need one "
-                             f"g_idx per input)")
-        if key is None:
-            return intweight
-        if int(key.min()) < 0 or int(key.max()) >= layer.scales.shape[0]:
-            raise ValueError(f"{self.name}: g_idx values must lie in "
-                             f"0..{layer.scales.shape[0] - 1}")
-        perm = torch.argsort(key, stable=True)
-        if first:
+        key = None
+        if g_idx is not None and not torch.equal(g_idx.long().cpu(),
+                                                 default_g_idx(k, gs).long()):
+            key = g_idx.long().cpu()
+            if int(key.min()) < 0 or int(key.max()) >= layer.scales.shape[0]:
+                raise ValueError(f"{self.name}: g_idx values must lie in "
+                                 f"0..{layer.scales.shape[0] - 1}")
+        order = None
+        if key is not None:
             dev = layer.qweight.device
-            layer.perm = perm.to(dev)
+            perm = torch.argsort(key, stable=True)
             sorted_g = key[perm]
-            if not torch.equal(sorted_g, default_g_idx(k, gs).long()):
-                layer.g_idx = sorted_g.to(device=dev, dtype=torch.int32)
-        return intweight[:, perm.to(intweight.device)]
+            contiguous = torch.equal(sorted_g, default_g_idx(k, gs).long())
+            order = (perm.to(dev), None if contiguous else sorted_g.to(dev, torch.int32))
+        layer.quant_orders[shard] = order
+        self._set_orders(layer)
+        return intweight if order is None else intweight[:, order[0].to(intweight.device)]
+
+    @staticmethod
+    def _set_orders(layer: LinearBase) -> None:
+        """One ``perm``/``g_idx`` for the layer while every shard stored so far has the same
+        act-order, else ``shard_orders`` (each shard's own)."""
+        orders = list(layer.quant_orders.values())
+
+        def same(a, b):
+            return (a is None and b is None) or (a is not None and b is not None and all(
+                (x is None and y is None) or (x is not None and y is not None
+                                              and torch.equal(x, y)) for x, y in zip(a, b)))
+
+        if layer.shard_orders is None and all(same(o, orders[0]) for o in orders):
+            layer.perm, layer.g_idx = orders[0] if orders[0] is not None else (None, None)
+            return
+        layer.perm = layer.g_idx = None
+        shards = range(len(layer.output_sizes)) if None not in layer.quant_orders else [None]
+        layer.shard_orders = [(*layer.shard_offset(s), *(layer.quant_orders.get(s) or
+                                                          (None, None))) for s in shards]
 
     # ---- dummy weights and the matmul -----------------------------------------------------------
 
@@ -214,18 +231,31 @@ class WNA16Method(QuantMethod):
         if layer.bias is not None:
             layer.bias.data.normal_(0.0, 0.02, generator=generator)
 
+    def _parts(self, layer: LinearBase):
+        """(qweight, scales, zeros, perm, g_idx) of each product the layer runs: the whole
+        layer, or each shard's columns under ``shard_orders``."""
+        if layer.shard_orders is None:
+            return [(layer.qweight, layer.scales, layer.zeros, layer.perm, layer.g_idx)]
+        return [(layer.qweight[:, start:start + size], layer.scales[:, start:start + size],
+                 layer.zeros[:, start:start + size], perm, g_idx)
+                for start, size, perm, g_idx in layer.shard_orders]
+
     def dequantized_weight(self, layer: LinearBase) -> Tensor:
         """W ``[N, K]`` in the model dtype, input channels in the checkpoint's order."""
-        wt = dequantize_canonical(layer.qweight, layer.scales, layer.zeros, self.bits,
-                                  layer.wgroup_size, layer.g_idx)
-        if layer.perm is not None:
-            wt = torch.empty_like(wt).index_copy_(0, layer.perm, wt)
-        return wt.t()
+        cols = []
+        for qweight, scales, zeros, perm, g_idx in self._parts(layer):
+            wt = dequantize_canonical(qweight, scales, zeros, self.bits, layer.wgroup_size,
+                                      g_idx)
+            if perm is not None:
+                wt = torch.empty_like(wt).index_copy_(0, perm, wt)
+            cols.append(wt)
+        return torch.cat(cols, dim=1).t()
 
     def apply_silu_mul(self, layer: LinearBase, x):
         """The CUDA-core GEMV's gated epilogue where the product's config is the GEMV (decode
         sizes, no g_idx, no bias)."""
-        if not x.is_cuda or x.dim() != 2 or layer.bias is not None or layer.g_idx is not None:
+        if not x.is_cuda or x.dim() != 2 or layer.bias is not None or layer.g_idx is not None \
+                or layer.shard_orders is not None:
             return None
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
@@ -234,15 +264,22 @@ class WNA16Method(QuantMethod):
                                                       layer.wgroup_size)
 
     def apply(self, layer: LinearBase, x):
-        if layer.perm is not None:
-            x = x.index_select(-1, layer.perm)
-        if x.is_cuda:
-            out = _kernel_module().wna16_matmul(x, layer.qweight, layer.scales, layer.zeros,
-                                                self.bits, layer.wgroup_size, layer.g_idx)
-        else:
-            wt = dequantize_canonical(layer.qweight, layer.scales, layer.zeros, self.bits,
-                                      layer.wgroup_size, layer.g_idx)
-            out = x @ wt.to(x.dtype)
+        if layer.shard_orders is None:  # the fast path: one product
+            out = self._product(layer, x, layer.qweight, layer.scales, layer.zeros, layer.perm,
+                                layer.g_idx)
+        else:  # shards with their own act-order: one gather and one product each
+            out = torch.cat([self._product(layer, x, *part) for part in self._parts(layer)],
+                            dim=-1)
         if layer.bias is not None:
             out = out + layer.bias
         return out
+
+    def _product(self, layer: LinearBase, x, qweight, scales, zeros, perm, g_idx):
+        """``x[..., perm] @ W^T`` for canonical tensors (or a shard's column slices of them)."""
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        if x.is_cuda:
+            return _kernel_module().wna16_matmul(x, qweight, scales, zeros, self.bits,
+                                                 layer.wgroup_size, g_idx)
+        wt = dequantize_canonical(qweight, scales, zeros, self.bits, layer.wgroup_size, g_idx)
+        return x @ wt.to(x.dtype)

@@ -151,6 +151,24 @@ def test_matmul_paths_and_config():
         assert rel_err(out, ref) < REL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_matmul_on_a_shards_columns(m):
+    """The per-shard act-order fallback (quant/wna16.py ``shard_orders``) runs the products on
+    column slices of the layer's tensors (row stride N, unit column stride): the GEMV, the GEMM
+    and the dense path equal the product on contiguous copies."""
+    from pagebatch.quant.kernels.wna16 import wna16_matmul
+
+    layer = _quant_layer("gptq_act", 128, 96, 4, 32, torch.float16)
+    x = torch.randn(m, 128, device=DEVICE).half()
+    cols = slice(32, 80)
+    parts = [t[:, cols] for t in (layer.qweight, layer.scales, layer.zeros)]
+    q, sc, zz = (t.contiguous() for t in parts)
+    ref = x.float() @ dequantize_canonical(q, sc, zz, 4, 32).float()
+    for dense_min_m in (10**9, 1):
+        out = wna16_matmul(x, *parts, 4, 32, dense_min_m=dense_min_m)
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="whole layers run the kernels only on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind,bits,k,n,group_size",

@@ -133,17 +133,39 @@ def test_gptq_irregular_g_idx_reads_groups_per_row():
     assert rel_err(layer(x), x @ dequantize(q, z, s.float(), g_idx).t()) < 1e-6
 
 
-def test_gptq_shards_with_different_g_idx_are_refused():
+@pytest.mark.parametrize("kinds", [("perm", "perm", "other"), ("none", "perm", "irregular")])
+def test_gptq_shards_with_different_g_idx_load_per_shard(kinds):
+    """Shards of a merged layer with their own act-order (calibrated apart: legal in the
+    format) load through the per-shard fallback: each shard sorted by its own groups, one
+    product per shard. The first shards may agree (one ``perm`` so far) before one differs."""
     method = GPTQMethod(None, {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                               "desc_act": True})
-    layer = _layer(method, [64, 32, 32])
-    with pytest.raises(ValueError, match="different g_idx"):
-        for i, out in enumerate([64, 32, 32]):
-            q, z, s = _convention(out, 4, 32, seed=i, zero_min=1)
-            perm = torch.randperm(K, generator=torch.Generator().manual_seed(i))
-            d = pack_gptq(q, z, s, default_g_idx(K, 32)[perm], 4, 32)
-            for name in sorted(d):
-                layer.load(name, d[name], i)
+                               "desc_act": True, "sym": False, "checkpoint_format": "gptq_v2"})
+    outs = [64, 32, 32]
+    layer = _layer(method, outs, bias=True)
+    shard_g_idx = {"none": default_g_idx(K, 32),
+                   "perm": default_g_idx(K, 32)[torch.randperm(
+                       K, generator=torch.Generator().manual_seed(1))],
+                   "other": default_g_idx(K, 32)[torch.randperm(
+                       K, generator=torch.Generator().manual_seed(2))],
+                   "irregular": torch.randint(0, K // 32, (K,),
+                                              generator=torch.Generator().manual_seed(3)).int()}
+    shards, ref_w = [], []
+    for i, (out, kind) in enumerate(zip(outs, kinds)):
+        q, z, s = _convention(out, 4, 32, seed=i)
+        g_idx = shard_g_idx[kind]
+        shards.append(dict(pack_gptq(q, z, s, g_idx, 4, 32, "gptq_v2"), bias=torch.randn(out)))
+        ref_w.append(dequantize(q, z, s.float(), g_idx))
+    _load(layer, shards)
+    assert layer.perm is None and layer.g_idx is None
+    assert [(start, size) for start, size, _, _ in layer.shard_orders] == [(0, 64), (64, 32),
+                                                                          (96, 32)]
+    assert [perm is None for _, _, perm, _ in layer.shard_orders] == [k == "none" for k in kinds]
+    assert [g is not None for _, _, _, g in layer.shard_orders] == [k == "irregular"
+                                                                    for k in kinds]
+    x = torch.randn(5, K)
+    ref = x @ torch.cat(ref_w).float().t() + torch.cat([d["bias"] for d in shards])
+    assert rel_err(layer(x), ref) < 1e-6
+    assert torch.allclose(method.dequantized_weight(layer).float(), torch.cat(ref_w).float())
 
 
 # ---- int8 and fp8 ------------------------------------------------------------------------------
