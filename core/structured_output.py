@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from dataclasses import field as dc_field
 from typing import Any, Iterable, Protocol
 
 import numpy as np
@@ -45,7 +46,9 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text). json_object: any JSON object. regex: a
     regular expression the whole output matches. choice: the output is one of these strings.
     grammar: an EBNF grammar (xgrammar's / GBNF dialect, root rule ``root``).
-    Raises SamplingParamsError naming ``structured_outputs.<field>`` from ``validate``.
+    origin: the request field it came from, for error messages (default
+    ``structured_outputs.<field>``; the HTTP frontend sets e.g. ``guided_json``).
+    Raises SamplingParamsError naming the field from ``validate``.
     """
 
     json: dict | str | None = None
@@ -53,17 +56,18 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    origin: str | None = field(default=None, compare=False)
 
     def validate(self) -> None:
         set_ = [k for k in KINDS if (getattr(self, k) not in (None, False))]
         if len(set_) != 1:
+            name = self.origin or "structured_outputs"
             raise SamplingParamsError(
-                f"structured_outputs must set exactly one of {list(KINDS)}, got "
-                f"{set_ or 'none'}", "structured_outputs")
+                f"{name} must set exactly one of {list(KINDS)}, got {set_ or 'none'}", name)
         self.constraint()  # raises for a malformed value
 
     def constraint(self) -> "Constraint":
-        """The canonical `Constraint` (its ``key`` is the cache key). Raises
+        """The canonical `Constraint` (hashable: the compile cache key). Raises
         SamplingParamsError for a value of the wrong shape (not for what only compiling can
         tell: `StructuredOutputBackend.validate`)."""
         if self.json is not None:
@@ -72,29 +76,31 @@ class StructuredOutputsParams:
                 try:
                     schema = json.loads(schema)
                 except ValueError as e:
-                    raise _bad("json", f"is not valid JSON: {e}") from None
+                    raise self._bad("json", f"is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise _bad("json", "must be a JSON schema (an object)")
-            return Constraint("json", json.dumps(schema, sort_keys=True))
+                raise self._bad("json", "must be a JSON schema (an object)")
+            return Constraint("json", json.dumps(schema, sort_keys=True), self._field("json"))
         if self.json_object:
-            return Constraint("json_object", "")
+            return Constraint("json_object", "", self._field("json_object"))
         if self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
-                raise _bad("regex", "must be a non-empty string")
-            return Constraint("regex", self.regex)
+                raise self._bad("regex", "must be a non-empty string")
+            return Constraint("regex", self.regex, self._field("regex"))
         if self.choice is not None:
             c = self.choice
             if not isinstance(c, (list, tuple)) or not c or not all(
                     isinstance(s, str) and s for s in c):
-                raise _bad("choice", "must be a non-empty list of non-empty strings")
-            return Constraint("choice", json.dumps(list(c)))
+                raise self._bad("choice", "must be a non-empty list of non-empty strings")
+            return Constraint("choice", json.dumps(list(c)), self._field("choice"))
         if not isinstance(self.grammar, str) or not self.grammar.strip():
-            raise _bad("grammar", "must be a non-empty EBNF string")
-        return Constraint("grammar", self.grammar)
+            raise self._bad("grammar", "must be a non-empty EBNF string")
+        return Constraint("grammar", self.grammar, self._field("grammar"))
 
+    def _field(self, kind: str) -> str:
+        return self.origin or f"structured_outputs.{kind}"
 
-def _bad(name: str, why: str) -> SamplingParamsError:
-    return SamplingParamsError(f"structured_outputs.{name} {why}", f"structured_outputs.{name}")
+    def _bad(self, kind: str, why: str) -> SamplingParamsError:
+        return SamplingParamsError(f"{self._field(kind)} {why}", self._field(kind))
 
 
 @dataclass(frozen=True)
@@ -105,11 +111,7 @@ class Constraint:
 
     kind: str
     spec: str
-
-    @property
-    def field(self) -> str:
-        """The request field it came from, for error messages."""
-        return f"structured_outputs.{self.kind}"
+    field: str = dc_field(default="", compare=False)  # the request field, for error messages
 
 
 class GrammarMatcher(Protocol):
