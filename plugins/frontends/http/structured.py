@@ -26,7 +26,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 def structured_outputs(body: dict[str, Any], chat: bool) -> StructuredOutputsParams | None:
     """The request's constraint, or None. Raises SamplingParamsError (a 400) naming the field
-    for a malformed one (its compile check is the engine's, a SamplingParamsError naming the same field)."""
+    for a malformed one (the compile check is the engine's, and names the same field)."""
     found: list[StructuredOutputsParams] = []
     so = body.get("structured_outputs")
     if so is not None:
