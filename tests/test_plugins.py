@@ -32,7 +32,7 @@ BUILTIN_POLICIES = ["fcfs", "lpm", "priority"]
 BUILTIN_OPTIONS = {"lpm_fcfs_threshold", "lpm_max_wait",  # lpm; then the http frontend's
                    "host", "port", "api_key", "served_model_name", "max_request_body_bytes",
                    "max_prompts_per_request", "max_n_per_request", "allowed_origins",
-                   "shutdown_timeout", "metrics_vllm_names"}
+                   "shutdown_timeout", "metrics_vllm_names", "metrics_require_api_key"}
 KNOWN_PROVIDES = {
     "fcfs": {"scheduling_policy": ["fcfs"]},
     "fp16": {"quant_method": ["fp16"]},
