@@ -222,6 +222,9 @@ class EngineConfig:
     attention_backend: str | None = _opt(
         "attention_backend", None,
         "Attention backend plugin; default triton on CUDA, torch_ref on CPU.", _optional(str))
+    structured_outputs_backend: str = _opt(
+        "structured_outputs_backend", "xgrammar",
+        "Structured output backend plugin (JSON schema, regex, choice constraints).")
     # parallelism (docs/parallel.md)
     tensor_parallel_size: int = _opt("tensor_parallel_size", 1,
                                      "Ranks that split each layer (tensor parallel).",

@@ -150,6 +150,13 @@ class LLMEngine:
             if n is not None and n > v:
                 raise SamplingParamsError(f"{name}={n} is invalid: more than the vocabulary "
                                           f"size {v}")
+        so = params.structured_outputs
+        if so is not None:  # compiles without a tokenizer: an invalid schema fails here
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs needs the model's tokenizer; this "
+                                          "engine has none (dummy weights)")
+            self.registry.structured_output_backend(
+                self.config.structured_outputs_backend).validate(so.constraint())
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError(f"stop={params.stop!r} needs a tokenizer to find text; "
                                       f"this engine has none (dummy weights): use "

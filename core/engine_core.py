@@ -29,6 +29,7 @@ from .registry import Registry, registry as default_registry
 from .sampling_state import SamplingState
 from .request import FinishReason, LogprobsLists, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .structured_output import StructuredOutputBackend, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,20 @@ def build_executor(config: EngineConfig, setup: ModelSetup, registry: Registry) 
     return MultiprocExecutor(config, setup, registry)
 
 
+def make_structured_output_backend(config: EngineConfig, setup: ModelSetup,
+                                   registry: Registry) -> StructuredOutputBackend:
+    """The configured structured output backend over the model's tokenizer (loaded here: the
+    core's own process has none otherwise), made at the first constrained request."""
+    from .model_loader import eos_token_ids, resolve_model
+    from .tokenizer import load_tokenizer
+
+    folder = resolve_model(config.tokenizer).folder if config.tokenizer else setup.source.folder
+    tokenizer = load_tokenizer(folder)
+    cls = registry.structured_output_backend(config.structured_outputs_backend)
+    stop = sorted(eos_token_ids(setup.source.folder, setup.hf_config, tokenizer))
+    return cls(tokenizer, int(setup.hf_config.vocab_size), stop)
+
+
 @dataclass
 class _InFlight:
     """A step started and not yet updated from. ``sampling``: request id -> (request, its
@@ -144,6 +159,9 @@ class EngineCore:
                                    async_decode=self.executor.async_decode,
                                    num_micro_batches=self.executor.num_micro_batches)
         self._times = EngineCoreStats()  # only its per-request time lists are used
+        self.structured = StructuredOutputManager(
+            lambda: make_structured_output_backend(config, setup, registry),
+            int(setup.hf_config.vocab_size))
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
@@ -190,9 +208,15 @@ class EngineCore:
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
         req.sampling_state = SamplingState.from_params(sp, r.seed, req.prompt_token_ids,
                                                        r.eos_token_ids)
-        self.scheduler.add_request(req)  # raises ValueError for an id in use
+        if r.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {r.request_id!r} is already in the engine")
+        so = getattr(sp, "structured_outputs", None)
+        if so is not None:  # compiled once per distinct constraint; raises SamplingParamsError
+            self.structured.add_request(r.request_id, so)
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        self.structured.remove(request_ids)
         return [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value)
                 for r in self.scheduler.abort_requests(request_ids)]
 
@@ -217,6 +241,7 @@ class EngineCore:
                                 f"request needs {sched.max_blocks_held(r)} KV cache blocks of {bs} "
                                 f"tokens; the whole cache has {total}")
                for r in sched.rejected]
+        self.structured.remove(r.request_id for r in sched.rejected)
         sched.rejected.clear()
         return out
 
@@ -231,11 +256,18 @@ class EngineCore:
         Raises EngineDeadError when a model step raises (the engine cannot go on safely:
         `_step_failed`) or the executor cannot run steps any more (a parallel worker died).
         A request's own failure (its detokenizer, its stop check, a bad input) is the front
-        half's and fails that request alone."""
+        half's and fails that request alone.
+
+        While a structured output request is in the engine, no step is scheduled while another
+        is in flight (no overlap): its bitmask needs every earlier token accepted by its
+        matcher (core/structured_output.py)."""
         outputs: list[EngineCoreOutput] = []
         queue = self._batch_queue
-        if len(queue) < self._max_in_flight:
+        if len(queue) < self._max_in_flight and not (queue and self.structured.has_requests):
             so = self.scheduler.schedule()
+            if self.structured.has_requests:
+                so.structured_output = self.structured.batch(
+                    [sr.request_id for sr in so.scheduled if sr.sample])
             self._mark_scheduled(so)
             outputs = self._drain_rejected()
             try:  # an empty step still tells the runners which requests finished
@@ -246,7 +278,7 @@ class EngineCore:
                 raise self._step_failed(so, e) from e
             if not so.is_empty:
                 queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
-                if len(queue) < self._max_in_flight:
+                if len(queue) < self._max_in_flight and not self.structured.has_requests:
                     return outputs
         if not queue:
             return outputs
@@ -295,6 +327,7 @@ class EngineCore:
                            # preempted and still waiting: the token is good (its KV will be
                            # recomputed with it); dropped only once the request runs again
                            or snap[0].status == RequestStatus.PREEMPTED)}
+        failed = self._accept_structured(sampled) if self.structured.has_requests else {}
         outputs = []
         now = time.monotonic()
         for req, new in self.scheduler.update_from_output(step.so, sampled):
@@ -306,7 +339,29 @@ class EngineCore:
         for rid, plp in prompt_lps.items():  # prompt chunks that sampled nothing this step
             if rid in self.scheduler.requests:
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
+        for req in self.scheduler.fail_requests(list(failed)):
+            outputs.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR.value,
+                                            failed[req.request_id]))
+        if self.structured.has_requests:
+            self.structured.remove(o.request_id for o in outputs if o.finish_reason)
         return outputs
+
+    def _accept_structured(self, sampled: dict[str, int]) -> dict[str, str]:
+        """Advance the matchers of the constrained requests that got a token (the same ones
+        `update_from_output` appends to); a token the constraint forbids is taken out of
+        ``sampled`` and its request is returned (id -> error) to finish with an error."""
+        failed = {}
+        reqs = self.scheduler.requests
+        for rid, tok in list(sampled.items()):
+            req = reqs.get(rid)
+            if req is None or rid not in self.structured or req.status not in (
+                    RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                continue
+            error = self.structured.accept(rid, tok)
+            if error is not None:
+                del sampled[rid]
+                failed[rid] = error
+        return failed
 
     def _record_times(self, req: Request, now: float) -> None:
         """Prefill time at a request's first token, decode time when it finishes."""

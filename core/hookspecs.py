@@ -64,6 +64,18 @@ def register_models(register):
 
 
 @hookspec
+def register_structured_output_backends(register):
+    """Register structured output backends: ``register(name, cls)``.
+
+    ``cls(tokenizer, vocab_size, stop_token_ids)`` must implement
+    ``pagebatch.structured_output.StructuredOutputBackend``: compile a constraint (JSON
+    schema, any JSON object, regex, choice, grammar) and make per-request matchers that fill
+    the token bitmask the sampler applies. Selected by ``structured_outputs_backend: NAME``
+    (default ``xgrammar``).
+    """
+
+
+@hookspec
 def register_frontends(register):
     """Register frontends: ``register(name, frontend)``.
 

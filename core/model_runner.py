@@ -33,7 +33,7 @@ from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_
 from .model_setup import ModelSetup
 from .penalties import PenaltyState
 from .registry import Registry
-from .sampler import Sampler
+from .sampler import Sampler, apply_token_bitmask
 from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
 from .step_results import LaunchedStep, RunnerOutput, collect, prompt_logprobs, start_copy_back
@@ -379,6 +379,8 @@ class ModelRunner:
             n = len(sample_ids)
             h = hidden[:n] if graph is not None else hidden[v["logits_rows"][:n]]
             logits = self.model.compute_logits(h)
+            if so.structured_output is not None:  # constrained rows: forbidden tokens -inf
+                logits = apply_token_bitmask(logits, so.structured_output, sample_ids)
             out = self.sampler(logits, sampling_batch(s, inp.flags, self.penalties))
             if inp.flags.has_penalties:
                 self.penalties.update(s["penalty_slots"], out.token_ids)

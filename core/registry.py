@@ -45,6 +45,7 @@ KINDS = {
     "quant_method": "register_quant_methods",
     "attention_backend": "register_attention_backends",
     "model": "register_models",
+    "structured_output_backend": "register_structured_output_backends",
     "frontend": "register_frontends",
     "command": "register_commands",
     "config_option": "register_config_options",
@@ -209,6 +210,10 @@ class Registry:
 
     def attention_backend(self, name: str) -> type:
         return self.get("attention_backend", name)
+
+    def structured_output_backend(self, name: str) -> type:
+        """The `StructuredOutputBackend` class named ``name`` (core/structured_output.py)."""
+        return self.get("structured_output_backend", name)
 
     def model_class(self, architecture: str) -> type[CausalLM]:
         """The model class of a Hugging Face architecture name (core/model.py)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import SamplingParamsError
+from .structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:  # (sampling_state.py imports this module)
     from .sampling_state import SamplingState
@@ -54,6 +55,8 @@ class SamplingParams:
     the sampled token's; prompt_logprobs: the same for every prompt position after the first.
     Both come from the raw model distribution (before penalties, temperature and filters).
     seed: per-request random seed. skip_special_tokens: leave special tokens out of the text.
+    structured_outputs: a constraint on the output (JSON schema, any JSON object, regex,
+    choice, grammar: core/structured_output.py), or None; a dict is taken as its fields.
     Raises SamplingParamsError (naming the field, value and limit) from ``validate``.
     """
 
@@ -76,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     seed: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self) -> None:
         def bad(name: str, limit: str) -> SamplingParamsError:
@@ -117,6 +121,17 @@ class SamplingParams:
                 raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be None or an integer")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise SamplingParamsError(f"structured_outputs is invalid: {e}",
+                                          "structured_outputs") from None
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict")
+            so.validate()
 
     def _validate_logit_bias(self) -> None:
         lb = self.logit_bias

@@ -18,10 +18,14 @@ Gumbel-max: ``argmax(logits / T - log(-log u))`` equals a draw from ``softmax(lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .request import GREEDY_EPS
+
+if TYPE_CHECKING:
+    from .structured_output import StructuredOutputBatch
 
 
 def _u64(c: int) -> int:
@@ -157,6 +161,26 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, batch: "StructuredOutputBatch",
+                        sample_ids: list[str]) -> torch.Tensor:
+    """Set the logits of tokens that ``batch``'s bitmask forbids to -inf (out of place).
+    logits: [n, vocab] fp32, row i the logits of ``sample_ids[i]``; returns [n, vocab] fp32.
+    Rows of requests not in the batch are untouched (core/structured_output.py). One
+    host-to-device copy of the bitmask, only in steps with a constrained row."""
+    index = {rid: i for i, rid in enumerate(sample_ids)}
+    pairs = [(index[rid], j) for j, rid in enumerate(batch.request_ids) if rid in index]
+    if not pairs:
+        return logits
+    dev = logits.device
+    rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
+    words = torch.from_numpy(batch.bitmask[[p[1] for p in pairs]]).to(dev)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> torch.Tensor:

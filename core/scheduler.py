@@ -29,6 +29,7 @@ from .block_hash import extend_block_hashes
 from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
 from .sampling_state import SamplingState
+from .structured_output import StructuredOutputBatch
 
 
 @dataclass
@@ -112,6 +113,9 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # the token bitmask of the step's constrained sampled rows (set by the engine core after
+    # scheduling; core/structured_output.py), None when there are none
+    structured_output: StructuredOutputBatch | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -187,6 +191,17 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, FinishReason.ABORT)
+                out.append(req)
+        return out
+
+    def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the named requests with reason ``error`` (the engine core's own verdict, e.g.
+        a structured output constraint that cannot be met); their blocks are freed now."""
+        out = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR)
                 out.append(req)
         return out
 

@@ -321,7 +321,7 @@ def _post(http, path, body):
     ({"prompt": PROMPT, "n": 0}, None),
     ({"prompt": PROMPT, "seed": "x"}, "seed"),
     ({"prompt": PROMPT, "stop": [""]}, None),
-    ({"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": PROMPT, "guided_json": "{not json"}, "guided_json"),
     # booleans are true or false (bool("false") is True), text is valid Unicode
     ({"prompt": PROMPT, "echo": "false"}, "echo"),
     ({"prompt": PROMPT, "ignore_eos": "no"}, "ignore_eos"),
@@ -344,7 +344,7 @@ def test_completion_input_errors_are_400(http, body, param, stream):
 @pytest.mark.parametrize("body", [
     {"messages": []},
     {"messages": [{"content": "x"}]},
-    {"messages": [{"role": "user", "content": "w4"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "user", "content": "w4"}], "response_format": {"type": "json_schema"}},
     {"messages": [{"role": "user", "content": "w4"}], "tool_choice": "auto"},
     {"messages": [{"role": "user", "content": "w4"}], "top_logprobs": 2},
     {"messages": [{"role": "user", "content": "w4"}], "max_tokens": 1000},  # context length

@@ -123,6 +123,15 @@ def register_frontends(register):
     register("fake_frontend", FAKE_FRONTEND)
 
 
+class FakeStructuredBackend:
+    pass
+
+
+@hookimpl
+def register_structured_output_backends(register):
+    register("fake_so", FakeStructuredBackend)
+
+
 @hookimpl
 def register_config_options(register):
     register(LIFO_OPTION)
@@ -134,6 +143,7 @@ def full_plugin(name="test_plugin"):
         register_quant_methods=register_quant_methods,
         register_attention_backends=register_attention_backends,
         register_models=register_models, register_frontends=register_frontends,
+        register_structured_output_backends=register_structured_output_backends,
         register_config_options=register_config_options)
 
 
@@ -226,7 +236,9 @@ def test_register_plugin_and_look_its_components_up():
         "scheduling_policy": ["lifo"], "quant_method": ["fakeq"],
         "attention_backend": ["fake_attn"], "model": ["FakeForCausalLM"],
         "frontend": ["fake_frontend"], "config_option": ["lifo_depth"],
+        "structured_output_backend": ["fake_so"],
     }
+    assert reg.structured_output_backend("fake_so") is FakeStructuredBackend
     assert reg.scheduling_policy("lifo") is LifoPolicy
     assert reg.quant_method("fakeq") is FakeQuant
     assert reg.attention_backend("fake_attn") is FakeBackend

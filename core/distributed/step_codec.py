@@ -7,7 +7,8 @@ per scheduled row ``start_pos`` int64[B], ``num_tokens`` int32[B], ``num_new_blo
 ``sample`` uint8[B] and ``is_new`` uint8[B]; all token ids int32[T]; all ``new_block_ids``
 int32[NB] (a new or resumed request's whole table, a running one's blocks gained this step); the
 request ids (B scheduled, F finished, P preempted) as one UTF-8 string separated by NUL; the
-pickled list of the rows' `NewRequestData`, in row order, for the rows with ``is_new``.
+pickled pair of the rows' `NewRequestData` (a list, in row order, for the rows with ``is_new``)
+and the step's structured output bitmask (or None).
 
 The codec keeps no state: a message is the scheduler's output, and each worker's runner keeps
 its block tables from the new-request records and the new block ids, as the driver's does.
@@ -31,7 +32,7 @@ _HEADER_LEN = 8
 ENCODED_FIELDS = {
     ScheduledRequest: {"request_id", "token_ids", "start_pos", "new_block_ids", "sample", "new"},
     SchedulerOutput: {"scheduled", "num_scheduled_tokens", "finished_request_ids",
-                      "preempted_request_ids"},
+                      "preempted_request_ids", "structured_output"},  # the last pickled
     NewRequestData: {"prompt_token_ids", "sampling"},  # pickled whole
 }
 
@@ -67,7 +68,8 @@ def encode_step(so: SchedulerOutput) -> bytes:
     ids = "\0".join([s.request_id for s in sched] + finished
                     + list(so.preempted_request_ids)).encode()
     new = [s.new for s in sched if s.new is not None]
-    new_bytes = pickle.dumps(new) if new else b""
+    so_batch = so.structured_output
+    new_bytes = pickle.dumps((new, so_batch)) if new or so_batch is not None else b""
     header = np.array([STEP, b, len(tokens), len(blocks), len(finished),
                        len(so.preempted_request_ids), len(ids), len(new_bytes)], np.int64)
     return b"".join([
@@ -99,7 +101,8 @@ def decode(payload: bytes) -> StepMessage:
     tokens, blocks = take(np.int32, t).tolist(), take(np.int32, nb).tolist()
     ids = payload[off:off + ids_len].decode().split("\0") if b + nf + npre else []
     off += ids_len
-    new = iter(pickle.loads(payload[off:off + new_len]) if new_len else [])
+    new_list, so_batch = pickle.loads(payload[off:off + new_len]) if new_len else ([], None)
+    new = iter(new_list)
     tok_end, blk_end = np.cumsum(n_tok).tolist(), np.cumsum(n_new).tolist()
     scheduled, t0, b0 = [], 0, 0
     for i in range(b):
@@ -108,4 +111,4 @@ def decode(payload: bytes) -> StepMessage:
                                           next(new) if is_new[i] else None))
         t0, b0 = tok_end[i], blk_end[i]
     return StepMessage(STEP, SchedulerOutput(scheduled, t, ids[b:b + nf],
-                                             ids[b + nf:b + nf + npre]))
+                                             ids[b + nf:b + nf + npre], so_batch))

@@ -12,11 +12,12 @@ from typing import Any
 
 from pagebatch.request import MAX_LOGPROBS, PositionLogprobs, SamplingParams
 
+from .structured import structured_outputs
+
 # Fields OpenAI or vLLM define that pagebatch does not implement: a 400, never silence.
 UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                      "audio", "prediction", "web_search_options", "guided_json",
-                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                      "lora_request", "use_beam_search")
+                      "audio", "prediction", "web_search_options", "lora_request",
+                      "use_beam_search")
 UNSUPPORTED_COMPLETIONS = ("suffix",)
 
 
@@ -43,8 +44,8 @@ def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
         v = body.get(name)
         if v is None or v is False or v == [] or (name == "tool_choice" and v == "none"):
             continue
-        raise bad(f"{name!r} is not supported by pagebatch (no tool calling, structured "
-                  f"output, beam search or LoRA in this version); remove the field", name)
+        raise bad(f"{name!r} is not supported by pagebatch (no tool calling, beam search or "
+                  f"LoRA in this version); remove the field", name)
 
 
 def _int_keys(logit_bias: Any) -> dict[int, float] | None:
@@ -169,6 +170,7 @@ def completion_request(body: dict[str, Any], max_prompts: int, max_n: int,
                       "max_tokens")
         max_tokens = 1  # one token is computed and dropped
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
+    params.structured_outputs = structured_outputs(body, chat=False)
     if echo and logprobs is not None:
         params.prompt_logprobs = logprobs
     opts = dict(echo=echo, score_only=score_only, priority=priority, **_stream_opts(body))
@@ -214,10 +216,6 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     text), the sampling params (unset fields from ``defaults``, see `sampling_params`) and
     options (stream, include_usage, priority, cache_salt, top_logprobs)."""
     _check_unsupported(body, UNSUPPORTED_COMMON)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("response_format other than {'type': 'text'} is not supported (no "
-                  "structured output in this version)", "response_format")
     if flag(body, "echo", False):
         raise bad("echo is not supported for chat completions", "echo")
     messages = _messages(body.get("messages"))
@@ -238,6 +236,7 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
                       f"[0, {MAX_LOGPROBS}]", "top_logprobs")
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
+    params.structured_outputs = structured_outputs(body, chat=True)
     opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, **_stream_opts(body))
     return messages, params, opts
 

@@ -1,0 +1,249 @@
+"""Structured output: constrain a request's tokens to a JSON schema, any JSON object, a regex,
+a choice of strings or an EBNF grammar (vLLM's ``StructuredOutputsParams``).
+
+The interface plugins implement is `StructuredOutputBackend` (registered through the
+``register_structured_output_backends`` hook; the built-in is ``xgrammar``,
+plugins/structured_output/xgrammar_backend.py). A backend compiles a `Constraint` once (the
+engine core caches compiled constraints by their key) and makes a `GrammarMatcher` per request,
+which the core advances with each accepted token and asks for the next token bitmask.
+
+The token bitmask is xgrammar's layout: int32 [rows, ceil(vocab / 32)], bit ``t % 32`` of word
+``t // 32`` set when token ``t`` may come next. The engine core fills one row per constrained
+request that samples in a step, after scheduling and before the step is launched, and sends it
+to the runner in the `SchedulerOutput` (`StructuredOutputBatch`); the runner masks those rows'
+logits (core/sampler.py's `apply_token_bitmask`) before the sampler. Steps without a
+constrained row carry None and do no extra work.
+
+Overlap (async scheduling): a step's bitmask needs every earlier token of its requests accepted
+by their matchers, so this slice schedules no step while another is in flight when a
+constrained request is in the engine (those steps run without overlap; see
+`EngineCore.step`). vLLM overlaps by filling the bitmask for step N+1 while step N runs, with
+the matcher advanced speculatively; that is future work here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from dataclasses import field as dc_field
+from typing import Any, Iterable, Protocol
+
+import numpy as np
+
+from .errors import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (set exactly one field). vLLM's names.
+
+    json: a JSON schema (a dict, or its JSON text). json_object: any JSON object. regex: a
+    regular expression the whole output matches. choice: the output is one of these strings.
+    grammar: an EBNF grammar (xgrammar's / GBNF dialect, root rule ``root``).
+    origin: the request field it came from, for error messages (default
+    ``structured_outputs.<field>``; the HTTP frontend sets e.g. ``guided_json``).
+    Raises SamplingParamsError naming the field from ``validate``.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    origin: str | None = field(default=None, compare=False)
+
+    def validate(self) -> None:
+        set_ = [k for k in KINDS if (getattr(self, k) not in (None, False))]
+        if len(set_) != 1:
+            name = self.origin or "structured_outputs"
+            raise SamplingParamsError(
+                f"{name} must set exactly one of {list(KINDS)}, got {set_ or 'none'}", name)
+        self.constraint()  # raises for a malformed value
+
+    def constraint(self) -> "Constraint":
+        """The canonical `Constraint` (hashable: the compile cache key). Raises
+        SamplingParamsError for a value of the wrong shape (not for what only compiling can
+        tell: `StructuredOutputBackend.validate`)."""
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise self._bad("json", f"is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise self._bad("json", "must be a JSON schema (an object)")
+            return Constraint("json", json.dumps(schema, sort_keys=True), self._field("json"))
+        if self.json_object:
+            return Constraint("json_object", "", self._field("json_object"))
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise self._bad("regex", "must be a non-empty string")
+            return Constraint("regex", self.regex, self._field("regex"))
+        if self.choice is not None:
+            c = self.choice
+            if not isinstance(c, (list, tuple)) or not c or not all(
+                    isinstance(s, str) and s for s in c):
+                raise self._bad("choice", "must be a non-empty list of non-empty strings")
+            return Constraint("choice", json.dumps(list(c)), self._field("choice"))
+        if not isinstance(self.grammar, str) or not self.grammar.strip():
+            raise self._bad("grammar", "must be a non-empty EBNF string")
+        return Constraint("grammar", self.grammar, self._field("grammar"))
+
+    def _field(self, kind: str) -> str:
+        return self.origin or f"structured_outputs.{kind}"
+
+    def _bad(self, kind: str, why: str) -> SamplingParamsError:
+        return SamplingParamsError(f"{self._field(kind)} {why}", self._field(kind))
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A constraint in canonical form: ``kind`` one of `KINDS`; ``spec`` the schema as sorted
+    JSON text, the regex, the choices as a JSON list, the grammar ('' for json_object).
+    Hashable: (kind, spec) is the compile cache key."""
+
+    kind: str
+    spec: str
+    field: str = dc_field(default="", compare=False)  # the request field, for error messages
+
+
+class GrammarMatcher(Protocol):
+    """A request's position in its compiled constraint (one per request)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the constraint forbids it."""
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> None:
+        """Write row ``index`` of ``bitmask`` (int32 [rows, ceil(vocab / 32)]): the tokens
+        allowed next."""
+
+    def is_terminated(self) -> bool:
+        """Whether the constraint is complete and its stop token was accepted."""
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles constraints and makes matchers; one per engine core.
+
+    ``__init__(tokenizer, vocab_size, stop_token_ids)``: the Hugging Face tokenizer, the
+    model's vocabulary size (the logits' width, which may exceed the tokenizer's) and the ids
+    that end a request (EOS). Raises what the library raises for an unusable tokenizer.
+    """
+
+    @abstractmethod
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None: ...
+
+    @classmethod
+    @abstractmethod
+    def validate(cls, constraint: Constraint) -> None:
+        """Check that ``constraint`` compiles, without a tokenizer (the front half calls this
+        before anything is queued). Raises SamplingParamsError naming ``constraint.field``."""
+
+    @abstractmethod
+    def compile(self, constraint: Constraint) -> Any:
+        """Compile once (the engine core caches the result by ``constraint``); raises
+        SamplingParamsError naming ``constraint.field``."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``."""
+
+
+@dataclass
+class StructuredOutputBatch:
+    """A step's constrained sampled rows (engine core -> runner, in the SchedulerOutput).
+
+    request_ids: the constrained requests that sample in the step; bitmask: int32 [len, ceil(
+    vocab / 32)], row i for request_ids[i] (xgrammar's layout)."""
+
+    request_ids: list[str]
+    bitmask: np.ndarray
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+@dataclass
+class _Tracked:
+    """The core's one record of a constrained request."""
+
+    matcher: GrammarMatcher
+    constraint: Constraint
+    dead_end: bool = False  # its last bitmask allowed no token at all
+
+
+class StructuredOutputManager:
+    """The engine core's structured output state: the backend (made on first use, with the
+    model's tokenizer), compiled constraints by key, and a matcher per constrained request.
+
+    ``make_backend()`` -> a `StructuredOutputBackend` (the core binds the configured plugin,
+    the tokenizer and the vocabulary)."""
+
+    MAX_CACHED = 256  # compiled constraints kept (oldest dropped first)
+
+    def __init__(self, make_backend, vocab_size: int) -> None:
+        self._make_backend = make_backend
+        self._backend: StructuredOutputBackend | None = None
+        self.vocab_size = vocab_size
+        self._compiled: dict[Constraint, Any] = {}
+        self._requests: dict[str, _Tracked] = {}
+        self.num_compiles = 0  # for tests: distinct constraints compiled
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Compile (or reuse) the request's constraint and start its matcher. Raises
+        SamplingParamsError naming the field."""
+        if self._backend is None:
+            self._backend = self._make_backend()
+        c = params.constraint()
+        compiled = self._compiled.get(c)
+        if compiled is None:
+            compiled = self._backend.compile(c)
+            self.num_compiles += 1
+            if len(self._compiled) >= self.MAX_CACHED:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[c] = compiled
+        self._requests[request_id] = _Tracked(self._backend.matcher(compiled), c)
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    def batch(self, sampled_ids: list[str]) -> StructuredOutputBatch | None:
+        """The bitmask of the constrained requests among ``sampled_ids`` (the step's rows that
+        sample), or None when there are none."""
+        ids = [rid for rid in sampled_ids if rid in self._requests]
+        if not ids:
+            return None
+        bitmask = np.zeros((len(ids), bitmask_width(self.vocab_size)), dtype=np.int32)
+        for i, rid in enumerate(ids):
+            t = self._requests[rid]
+            t.matcher.fill_next_token_bitmask(bitmask, i)
+            t.dead_end = not bitmask[i].any()
+        return StructuredOutputBatch(ids, bitmask)
+
+    def accept(self, request_id: str, token_id: int) -> str | None:
+        """Advance the request's matcher; None when the token is allowed (or the request is not
+        constrained), else the error that ends the request."""
+        t = self._requests.get(request_id)
+        if t is None or t.matcher.accept_token(token_id):
+            return None
+        if t.dead_end:
+            why = "no token can continue it"
+        else:  # e.g. only EOS continues it, and min_tokens masks EOS out
+            why = (f"token {token_id} was sampled, which it forbids (every token it allows was "
+                   f"masked out, e.g. by min_tokens or logit_bias)")
+        return f"{t.constraint.field}: the constraint cannot be met: {why}"

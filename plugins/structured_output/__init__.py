@@ -1,0 +1,1 @@
+"""Structured output backend plugins."""

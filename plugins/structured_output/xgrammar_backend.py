@@ -1,0 +1,87 @@
+"""The built-in structured output backend: xgrammar (Dong et al., "XGrammar: Flexible and
+Efficient Structured Generation Engine for Large Language Models", 2024), as vLLM's default.
+
+Constraints compile with xgrammar's `GrammarCompiler` (its own cache too) against a
+`TokenizerInfo` of the model's Hugging Face tokenizer; each request gets a `GrammarMatcher`.
+JSON is compiled with ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``): compact
+JSON, so a small model cannot loop on whitespace. A choice list is the regex of its
+alternatives, each escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from pagebatch.errors import SamplingParamsError
+from pagebatch.hookspecs import hookimpl
+from pagebatch.structured_output import Constraint, StructuredOutputBackend
+
+
+def _choice_regex(spec: str) -> str:
+    return "(" + "|".join(re.escape(s) for s in json.loads(spec)) + ")"
+
+
+def _grammar(c: Constraint) -> xgr.Grammar:
+    """The constraint as an uncompiled xgrammar Grammar (no tokenizer needed)."""
+    if c.kind == "json":
+        return xgr.Grammar.from_json_schema(c.spec, any_whitespace=False)
+    if c.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if c.kind == "regex":
+        return xgr.Grammar.from_regex(c.spec)
+    if c.kind == "choice":
+        return xgr.Grammar.from_regex(_choice_regex(c.spec))
+    return xgr.Grammar.from_ebnf(c.spec)
+
+
+class _Matcher:
+    """xgrammar's GrammarMatcher over the core's numpy bitmask rows."""
+
+    def __init__(self, m: xgr.GrammarMatcher) -> None:
+        self._m = m
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> None:
+        self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), index)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class XGrammarBackend(StructuredOutputBackend):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.stop_token_ids = list(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=self.stop_token_ids or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    @classmethod
+    def validate(cls, constraint: Constraint) -> None:
+        try:
+            _grammar(constraint)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors
+            raise SamplingParamsError(f"{constraint.field} cannot be compiled: "
+                                      f"{str(e).strip()[:500]}", constraint.field) from None
+
+    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        try:
+            return self.compiler.compile_grammar(_grammar(constraint))
+        except Exception as e:
+            raise SamplingParamsError(f"{constraint.field} cannot be compiled: "
+                                      f"{str(e).strip()[:500]}", constraint.field) from None
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> _Matcher:
+        return _Matcher(xgr.GrammarMatcher(compiled))
+
+
+@hookimpl
+def register_structured_output_backends(register):
+    register("xgrammar", XGrammarBackend)

@@ -1,0 +1,220 @@
+"""Structured output (core/structured_output.py, the xgrammar plugin): constraints validated up
+front, outputs that parse and match, unconstrained rows of a mixed batch unchanged, an impossible
+constraint ending only its own request, and the HTTP fields (response_format, guided_*)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pagebatch import LLM, SamplingParams
+from pagebatch.errors import SamplingParamsError
+from pagebatch.sampler import apply_token_bitmask
+from pagebatch.structured_output import StructuredOutputBatch, StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+# ---- validation and the bitmask, no model ---------------------------------------------------
+
+@pytest.mark.parametrize("so, field", [
+    (SO(), "structured_outputs"),
+    (SO(regex="a", choice=["b"]), "structured_outputs"),
+    (SO(json="{not json"), "structured_outputs.json"),
+    (SO(json=[1]), "structured_outputs.json"),
+    (SO(choice=[]), "structured_outputs.choice"),
+    (SO(regex=""), "structured_outputs.regex"),
+    (SO(json="{bad", origin="guided_json"), "guided_json"),
+])
+def test_malformed_constraints_name_the_field(so, field):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(structured_outputs=so).validate()
+    assert e.value.param == field and field in str(e.value)
+
+
+def test_a_dict_is_taken_as_the_fields():
+    sp = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    sp.validate()
+    assert sp.structured_outputs == SO(regex="[ab]+")
+
+
+def test_bitmask_masks_only_the_constrained_rows():
+    logits = torch.randn(3, 70)
+    bitmask = np.zeros((1, 3), dtype=np.int32)
+    bitmask[0, 0] = 1 << 5
+    bitmask[0, 2] = np.int32(-2**31)  # bit 31 of word 2: token 95, past the vocabulary
+    bitmask[0, 1] = 1 << 3  # token 35
+    out = apply_token_bitmask(logits, StructuredOutputBatch(["b"], bitmask), ["a", "b", "c"])
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    assert allowed == [5, 35] and torch.equal(out[1, allowed], logits[1, allowed])
+
+
+# ---- SmolLM2 ------------------------------------------------------------------------------
+
+def _gen(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_json_schema_outputs_parse_and_validate(smollm2_llm):
+    prompts = ["Describe a person as JSON:", "A user record:", "Who is Bob?"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                             structured_outputs=SO(json=SCHEMA)) for s in range(3)]
+    for out in _gen(smollm2_llm, prompts, params):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    # compiled once, whatever the number of requests
+    assert smollm2_llm.engine.core.structured.num_compiles >= 1
+
+
+def test_regex_choice_and_json_object(smollm2_llm):
+    outs = _gen(smollm2_llm, ["The code is", "Is the sky blue?", 'Write {"a": 1} as JSON:'], [
+        SamplingParams(temperature=0.0, max_tokens=16,
+                       structured_outputs=SO(regex=r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(temperature=0.7, seed=1, max_tokens=8,
+                       structured_outputs=SO(choice=["yes", "no", "maybe"])),
+        SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=SO(json_object=True)),
+    ])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text in ("yes", "no", "maybe")
+    obj = outs[2].outputs[0]  # greedy SmolLM2 may nest objects past max_tokens
+    assert obj.text.startswith("{")
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+
+
+def test_unconstrained_rows_of_a_mixed_batch_equal_their_solo_outputs(smollm2_llm):
+    plain = [SamplingParams(temperature=0.0, max_tokens=8),
+             SamplingParams(temperature=0.9, seed=7, max_tokens=8)]
+    prompts = ["The capital of France is", "Once upon a time"]
+    solo = [_gen(smollm2_llm, [p], [sp])[0].outputs[0].token_ids
+            for p, sp in zip(prompts, plain)]
+    constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                 structured_outputs=SO(regex=r"[a-z]+ [0-9]+"))
+    mixed = _gen(smollm2_llm, [prompts[0], "Name and number:", prompts[1]],
+                 [plain[0], constrained, plain[1]])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == solo
+    assert re.fullmatch(r"[a-z]+ [0-9]*", mixed[1].outputs[0].text)
+
+
+def test_impossible_constraint_ends_only_its_request(smollm2_llm):
+    """Only EOS may follow "yes", and min_tokens masks EOS out: every token is impossible."""
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    solo = _gen(smollm2_llm, ["Hello there"], [plain])[0].outputs[0].token_ids
+    stuck = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4,
+                           structured_outputs=SO(choice=["yes"]))
+    outs = _gen(smollm2_llm, ["Hello there", "Say yes:"], [plain, stuck])
+    assert outs[0].outputs[0].token_ids == solo and outs[0].error is None
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "structured_outputs.choice" in outs[1].error and "cannot be met" in outs[1].error
+    assert outs[1].outputs[0].text == "yes"
+
+
+def test_invalid_schema_or_regex_is_an_error_before_queueing(smollm2_llm):
+    for so, field in ((SO(regex="(unclosed"), "structured_outputs.regex"),
+                      (SO(json={"type": "no-such-type"}), "structured_outputs.json")):
+        with pytest.raises(SamplingParamsError) as e:
+            smollm2_llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+        assert e.value.param == field
+    assert not smollm2_llm.engine.core.has_unfinished_requests
+
+
+def test_no_token_can_start_the_constraint(tiny_model_dir):
+    """The tiny model's word-level vocabulary has no ``{``: the first bitmask is empty."""
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+              block_size=4, max_model_len=64)
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    solo = _gen(llm, ["w5 w6"], [plain])[0].outputs[0].token_ids
+    outs = _gen(llm, ["w5 w6", "w7"], [plain, SamplingParams(
+        max_tokens=4, structured_outputs=SO(json_object=True))])
+    assert outs[0].outputs[0].token_ids == solo
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "no token can continue it" in outs[1].error
+
+
+# ---- HTTP ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_vocab_server(tmp_path_factory, smollm2_dir):
+    """A tiny random model with SmolLM2's tokenizer (a real byte-level vocabulary), served."""
+    from conftest import build_tiny_model
+    from http_helpers import tiny_server
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-smolvocab"), vocab_size=49152)
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    with tiny_server(folder) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def smol_client(smol_vocab_server):
+    import openai
+    from http_helpers import KEY
+
+    return openai.OpenAI(base_url=smol_vocab_server + "/v1", api_key=KEY, max_retries=0,
+                         timeout=60)
+
+
+SMALL = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_response_format_json_schema(smol_client, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SMALL, "strict": True}}
+    r = smol_client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40,
+                                            seed=3, response_format=rf, stream=stream)
+    text = ("".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream
+            else r.choices[0].message.content)
+    jsonschema.validate(json.loads(text), SMALL)
+
+
+def test_http_guided_fields(smol_client):
+    r = smol_client.completions.create(model="tiny", prompt="pick", max_tokens=8, seed=1,
+                                       extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].text in ("alpha", "beta")
+    r = smol_client.completions.create(model="tiny", prompt="n", max_tokens=8, seed=1,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", r.choices[0].text)
+    r = smol_client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "yaml"}},
+     "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{bad"}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]},
+     "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"jsn": {}}},
+     "structured_outputs"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_bad_constraints_are_400_naming_the_field(smol_vocab_server, path, body, param,
+                                                       stream):
+    import httpx
+    from http_helpers import KEY
+
+    r = httpx.post(smol_vocab_server + path, json={"model": "tiny", **body, "stream": stream},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
