@@ -5,22 +5,32 @@ Constraints compile with xgrammar's `GrammarCompiler` (its own cache too) agains
 `TokenizerInfo` of the model's Hugging Face tokenizer; each request gets a `GrammarMatcher`.
 JSON is compiled with ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``): compact
 JSON, so a small model cannot loop on whitespace. A choice list is the regex of its
-alternatives, each escaped.
+alternatives, each escaped. xgrammar is imported on first use, so loading this plugin (every
+start does) costs nothing where no request asks for structured output, and a machine without
+xgrammar starts quietly.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from pagebatch.errors import SamplingParamsError
 from pagebatch.hookspecs import hookimpl
 from pagebatch.structured_output import Constraint, StructuredOutputBackend
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
 
 
 def _choice_regex(spec: str) -> str:
@@ -30,14 +40,14 @@ def _choice_regex(spec: str) -> str:
 def _grammar(c: Constraint) -> xgr.Grammar:
     """The constraint as an uncompiled xgrammar Grammar (no tokenizer needed)."""
     if c.kind == "json":
-        return xgr.Grammar.from_json_schema(c.spec, any_whitespace=False)
+        return _xgr().Grammar.from_json_schema(c.spec, any_whitespace=False)
     if c.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        return _xgr().Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if c.kind == "regex":
-        return xgr.Grammar.from_regex(c.spec)
+        return _xgr().Grammar.from_regex(c.spec)
     if c.kind == "choice":
-        return xgr.Grammar.from_regex(_choice_regex(c.spec))
-    return xgr.Grammar.from_ebnf(c.spec)
+        return _xgr().Grammar.from_regex(_choice_regex(c.spec))
+    return _xgr().Grammar.from_ebnf(c.spec)
 
 
 class _Matcher:
@@ -59,9 +69,9 @@ class _Matcher:
 class XGrammarBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.stop_token_ids = list(stop_token_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=2)
 
     @classmethod
     def validate(cls, constraint: Constraint) -> None:
@@ -79,7 +89,7 @@ class XGrammarBackend(StructuredOutputBackend):
                                       f"{str(e).strip()[:500]}", constraint.field) from None
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> _Matcher:
-        return _Matcher(xgr.GrammarMatcher(compiled))
+        return _Matcher(_xgr().GrammarMatcher(compiled))
 
 
 @hookimpl
