@@ -186,23 +186,20 @@ class Scheduler:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the named requests with reason ``abort``; their blocks are freed now."""
-        out = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                self._finish(req, FinishReason.ABORT)
-                out.append(req)
-        return out
+        return self._finish_named(request_ids, FinishReason.ABORT)
 
     def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the named requests with reason ``error`` (the engine core's own verdict, e.g.
         a structured output constraint that cannot be met); their blocks are freed now."""
-        out = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                self._finish(req, FinishReason.ERROR)
-                out.append(req)
+        return self._finish_named(request_ids, FinishReason.ERROR)
+
+    def _finish_named(self, request_ids: Iterable[str], reason: FinishReason) -> list[Request]:
+        """The named requests still known, finished with ``reason`` (unknown or repeated ids
+        skipped)."""
+        out = [req for rid in dict.fromkeys(request_ids)
+               if (req := self.requests.get(rid)) is not None]
+        for req in out:
+            self._finish(req, reason)
         return out
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
