@@ -27,7 +27,7 @@ import triton.language as tl
 
 from pagebatch.kernels import pdl
 
-from .triton_kernels import _attend_tiles, _find_seq, _rope
+from .triton_kernels import _attend_tiles, _find_seq, _rope, _softmax_update
 
 
 @triton.jit
@@ -71,11 +71,7 @@ def _chunk_tiles(
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, m_new, p, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 

@@ -117,6 +117,18 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, tok0, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softmax_update(acc, l_i, m_i, m_new, p, v, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step (FlashAttention-2, Dao 2023): rescale the running sum ``l_i``
+    and accumulator ``acc`` from the old row maxima ``m_i`` to ``m_new`` (log2 units), add the
+    tile's probabilities ``p`` [rows, keys] and ``p @ v``. Returns (acc, l_i, m_new)."""
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, seq_len, q_pos, lo, hi, stride_slot, offs_d,
     qk_scale,
@@ -165,11 +177,7 @@ def _attend_tiles(
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, m_new, p, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 
