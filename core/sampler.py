@@ -258,8 +258,9 @@ def top_k_ids(logits: torch.Tensor, w: int) -> torch.Tensor:
     tied at the k-th: tests/test_sampler_gpu.py holds it to that), then the keys of those
     candidates order them; with fewer than TOP_K_MIN_ROWS rows the first stage runs on pieces
     of TOP_K_CHUNK columns (one row then spreads over many thread blocks) and the keys pick
-    the row's w among the pieces' candidates. Measured on an H200 (docs/benchmarks.md,
-    session 11): 0.49 ms at 256 rows of 128256, where a stable sort of them takes ~6 ms."""
+    the row's w among the pieces' candidates. On an H200 the whole sampled step takes 1.21 ms
+    at 256 rows of 128256 this way, 6.79 ms with the sort (scripts/bench_sampler.py;
+    docs/benchmarks.md, session 11)."""
     n, v = logits.shape
     if not logits.is_cuda:
         return _key_ids(order_keys_torch(logits).topk(w, dim=-1).values)
