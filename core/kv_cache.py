@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from .block_hash import BlockHash
-from .kv_window import max_blocks_held, num_skipped_blocks, window_hit_length
+from .kv_window import cdiv, max_blocks_held, num_skipped_blocks, window_hit_length
 
 @dataclass(eq=False)
 class KVCacheBlock:
@@ -173,10 +173,6 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of usable blocks (the null block left out) in use, 0.0 to 1.0."""
         return 1.0 - self.num_free_blocks / self.num_usable
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

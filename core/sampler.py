@@ -167,15 +167,19 @@ def apply_token_bitmask(logits: torch.Tensor, batch: "StructuredOutputBatch",
                         sample_ids: list[str]) -> torch.Tensor:
     """Set the logits of tokens that ``batch``'s bitmask forbids to -inf (out of place).
     logits: [n, vocab] fp32, row i the logits of ``sample_ids[i]``; returns [n, vocab] fp32.
-    Rows of requests not in the batch are untouched (core/structured_output.py). One
-    host-to-device copy of the bitmask, only in steps with a constrained row."""
+    Rows of requests not in the batch are untouched (core/structured_output.py). The bitmask
+    and its rows go to the device as two asynchronous copies from pinned memory, only in steps
+    with a constrained row."""
     index = {rid: i for i, rid in enumerate(sample_ids)}
     pairs = [(index[rid], j) for j, rid in enumerate(batch.request_ids) if rid in index]
     if not pairs:
         return logits
     dev = logits.device
-    rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
-    words = torch.from_numpy(batch.bitmask[[p[1] for p in pairs]]).to(dev)
+    rows = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    words = torch.from_numpy(batch.bitmask[[p[1] for p in pairs]])
+    if dev.type == "cuda":  # from pinned memory: the copies do not wait for the forward
+        rows = rows.pin_memory().to(dev, non_blocking=True)
+        words = words.pin_memory().to(dev, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
     out = logits.clone()

@@ -24,7 +24,6 @@ the matcher advanced speculatively; that is future work here.
 from __future__ import annotations
 
 import json
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from dataclasses import field as dc_field
@@ -34,7 +33,6 @@ import numpy as np
 
 from .errors import SamplingParamsError
 
-logger = logging.getLogger(__name__)
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -269,7 +269,14 @@ def _autotuned(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     allow_h2 = act16 and half2_allowed()
 
     def candidates(rows: int) -> list[dict]:
-        return wna16_configs.candidates(rows, n, k, group_size, False, sms, bits, allow_h2)
+        """The rule's candidates for 16-bit or fp32 activations (``act16`` also picks the MMA
+        kernel at 2-16 rows); with half2 off (PAGEBATCH_W4A16_HALF2=0) its fp32-field twins."""
+        out = []
+        for c in wna16_configs.candidates(rows, n, k, group_size, False, sms, bits, act16):
+            c = c if allow_h2 or not c.get("half2") else {**c, "half2": 0}
+            if c not in out:
+                out.append(c)
+        return out
 
     def bench(rows: int):
         from pagebatch.kernels.activation import silu_and_mul
