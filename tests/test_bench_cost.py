@@ -15,7 +15,6 @@ def test_cost_per_million_tokens():
     # $3.60/h at 1,000 tok/s: 3.6M tokens an hour -> $1.00 per 1M
     assert cost_per_million_tokens(3.6, 1000.0) == 1.0
     # docs/tuning.md's worked example: T1 on an H200, 7,110 output tok/s at $3.00/h
-    assert cost_per_million_tokens(3.0, 7110.0) == 3.0 / (7110.0 * 3600.0) * 1e6
     assert round(cost_per_million_tokens(3.0, 7110.0), 4) == 0.1172
     assert cost_per_million_tokens(0.0, 500.0) == 0.0
     assert cost_per_million_tokens(3.0, 0.0) is None

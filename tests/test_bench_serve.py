@@ -41,23 +41,15 @@ def check_run_schema(run: dict, cost: bool = False) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def base(tiny_model_dir, tmp_path_factory):
+    """A real `pagebatch serve` process (conftest's `http` client talks to it)."""
     log = tmp_path_factory.mktemp("bench-serve") / "serve.log"
     with serve_process([str(tiny_model_dir), *cli_args(ENGINE_KEYS), "--metrics-vllm-names"],
-                       log) as (_, base):
-        yield base
+                       log) as (_, url):
+        yield url
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    import httpx
-
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as c:
-        yield c
-
-
-def test_sweep_two_rates(server, http, tmp_path, capsys):
+def test_sweep_two_rates(base, http, tmp_path, capsys):
     from pagebatch.cli import main
 
     def counters():
@@ -66,7 +58,7 @@ def test_sweep_two_rates(server, http, tmp_path, capsys):
 
     before = counters()
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    rc = main(["bench", "serve", "--base-url", server, "--api-key", KEY,
+    rc = main(["bench", "serve", "--base-url", base, "--api-key", KEY,
                "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
                "--range-ratio", "0.5", "--shared-prefix-len", "4", "--vocab-size", "256",
                "--rates", "20,inf", "--goodput", "ttft:60000", "e2el:60000",
@@ -99,11 +91,12 @@ def test_sweep_two_rates(server, http, tmp_path, capsys):
             == 2 * n_out
 
 
-def test_chat_at_a_constant_rate(server, http, tmp_path):
+def test_chat_at_a_constant_rate(base, http, tmp_path):
     from pagebatch.cli import main
 
     out = tmp_path / "chat.json"
-    rc = main(["bench", "serve", "--base-url", server, "--api-key", KEY,
+    done = metric(http, "vllm:request_success_total", 'finished_reason="length"', default=0)
+    rc = main(["bench", "serve", "--base-url", base, "--api-key", KEY,
                "--endpoint", "/v1/chat/completions", "--num-prompts", "3", "--input-len", "6",
                "--output-len", "4", "--request-rate", "30", "--arrival", "constant",
                "--percentiles", "50,90,99", "--output", str(out)])
@@ -113,11 +106,11 @@ def test_chat_at_a_constant_rate(server, http, tmp_path):
     assert (run["completed"], run["prompt_kind"], run["arrival"]) == (3, "text", "constant")
     assert run["total_output_tokens"] == 12 and run["total_input_tokens"] > 3 * 6  # template
     assert run["request_goodput"] is None
-    # /metrics: every request so far finished by length, under both names; idle again
+    # /metrics: this run's requests finished by length, under both names; idle again
     for name in ("request_success_total", "num_requests_waiting", "num_requests_running"):
         labels = 'finished_reason="length"' if "success" in name else ""
         assert metric(http, "vllm:" + name, labels) == metric(http, "pagebatch:" + name, labels)
-    assert metric(http, "vllm:request_success_total", 'finished_reason="length"') == 11
+    assert metric(http, "vllm:request_success_total", 'finished_reason="length"') == done + 3
     assert metric(http, "vllm:num_requests_waiting", f'model_name="{MODEL}"') == 0
 
 

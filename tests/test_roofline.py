@@ -95,7 +95,7 @@ def test_kernels_from_gpu_events():
         _Ev(STEP_MARK, "user_annotation", 20, 10, corr=3),
         _Ev("cudaGraphLaunch", "cuda_runtime", 21, 1, corr=901),
         # the GEMM launched in step 0 runs on the GPU during step 1's launches
-        _Ev("vendor_gemm", "kernel", 22, 5, corr=900, linked=2),
+        _Ev("vendor_kernel", "kernel", 22, 5, corr=900, linked=2),
         _Ev("paged_attention_kernel", "kernel", 28, 5, corr=901),  # a graph's: step 1
         _Ev("_rms_norm_kernel", "kernel", 34, 1, corr=777, linked=3),  # by its linked op
         _Ev("_argmax_kernel", "kernel", 36, 1, corr=778),  # nothing known: the one before
@@ -106,7 +106,7 @@ def test_kernels_from_gpu_events():
     assert got.gpu and got.num_windows == 2 and got.num_launch_attributed == 3
     assert got.num_acausal == 0
     assert [(k.name, k.step, k.op) for k in ks] == [
-        ("vendor_gemm", 0, "aten::mm"), ("paged_attention_kernel", 1, None),
+        ("vendor_kernel", 0, "aten::mm"), ("paged_attention_kernel", 1, None),
         ("_rms_norm_kernel", 1, STEP_MARK), ("_argmax_kernel", 1, None)]
     assert kernel_kind(ks[0].name, ks[0].op) == "gemm"
 
