@@ -18,8 +18,12 @@ from pagebatch.model_setup import resolve_model_setup
 from pagebatch.registry import registry
 
 FAKE_VLLM = textwrap.dedent('''
-    """A stand-in for vllm's offline API: records the engine kwargs and every generate call."""
-    import json, os, time
+    """A stand-in for vllm's offline API: records the engine kwargs and every generate call;
+    logs to stdout as vLLM does, after the result line too (at exit)."""
+    import atexit, json, os, time
+
+    print("INFO vllm: initializing an engine")
+    atexit.register(print, "INFO vllm: shutting down")
 
     class SamplingParams:
         def __init__(self, **kw):

@@ -96,13 +96,17 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     sampling = bench_sampling(args)
     if sampling is not None:  # checked before any engine starts
         SamplingParams(**sampling).validate()
-    results = [bench_pagebatch(config, args.bench_kind, prompts, out_lens, args.num_iters,
-                               sampling)]
-    results[0]["workload_output_tokens"] = sum(out_lens)
+    other = None
     if args.compare is not None:
+        # the other engine first, in its own process: it exits before pagebatch starts, so each
+        # finds the whole device free (vLLM refuses to start below gpu_memory_utilization free)
         other = COMPARE[args.compare](args, config, setup, prompts, out_lens)
         if isinstance(other, int):
             return other
+    results = [bench_pagebatch(config, args.bench_kind, prompts, out_lens, args.num_iters,
+                               sampling)]
+    results[0]["workload_output_tokens"] = sum(out_lens)
+    if other is not None:
         results.append(other)
     for r in results:
         r.update(cost_fields(args.gpu_cost_per_hour, priced_tok_s(r)))

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..model_setup import ModelSetup
-from .child import run_adapter
+from .child import print_result, run_adapter
 from .workload import bench_sampling
 
 
@@ -95,7 +95,7 @@ def main() -> None:
             ttft = sorted(r[0] for r in runs)[len(runs) // 2]
             decode = sorted((out_len - 1) / (r[1] - r[0]) for r in runs)[len(runs) // 2]
             res = {"engine": "hf-generate", "ttft_s": ttft, "decode_tok_s": decode}
-    print(json.dumps(res))
+    print_result(res)
 
 
 if __name__ == "__main__":

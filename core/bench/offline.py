@@ -115,11 +115,11 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     tuning = autotune.stats()  # this process's start-up autotuning (core/kernels/autotune.py)
     res.update(autotune_s=round(tuning["seconds"], 2), autotune_candidates=tuning["candidates"])
     if isinstance(engine.core, EngineCore):  # in this process (no client): its runner
-        runner = engine.core.runner
-        model = runner.model
-        res["weights_gb"] = round(weight_bytes(model) / 1e9, 3)
+        runner = engine.core.runner  # (no local may hold the model past the shutdown below)
+        res["weights_gb"] = round(weight_bytes(runner.model) / 1e9, 3)
         res["kv_cache_tokens"] = runner.num_blocks * runner.block_size
         res["kv_blocks"] = kv.num_blocks
+        del runner
     if kind == "throughput":
         times = [run(shifted(prompts, i)) for i in range(num_iters)]
         elapsed = min(t[0] for t in times)

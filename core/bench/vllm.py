@@ -26,7 +26,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..model_setup import ModelSetup
-from .child import run_adapter
+from .child import print_result, run_adapter
 from .workload import bench_sampling, shift_ids
 
 
@@ -122,7 +122,7 @@ def main() -> None:
                 rates.append((got - 1) / (full - ttft))
         res.update(ttft_s=sorted(ttfts)[len(ttfts) // 2],
                    decode_tok_s=sorted(rates)[len(rates) // 2])
-    print(json.dumps(res))
+    print_result(res)
 
 
 if __name__ == "__main__":
