@@ -36,6 +36,7 @@ from .registry import Registry
 from .sampler import Sampler, apply_token_bitmask
 from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
+from .step_warmup import warm_up_step_variants
 from .step_results import LaunchedStep, RunnerOutput, collect, prompt_logprobs, start_copy_back
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,10 @@ class ModelRunner:
         self.kv_caches = [torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and self.parallel.pp_size == 1:  # core/step_warmup.py
+            warm_up_step_variants(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                                  self.block_size, self.max_model_len,
+                                  self.max_num_batched_tokens, self.device)
         if self.use_cuda_graphs:
             if self._stage_io:  # a pipeline stage: the graph holds its layers, not the comms
                 self._pp_in = None if self.parallel.is_first_stage else torch.zeros(

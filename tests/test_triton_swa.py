@@ -130,7 +130,7 @@ def test_torch_ref_window_is_transformers_rule(kind, window):
     qsl = meta.query_start_loc_cpu
     table = make_batch(1, qlens, lens, 4, 2, 16, bs, torch.float32)[1].block_tables
     for i, n in enumerate(lens):
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=table.device)
         slot = table[i][pos // bs].long() * bs + pos % bs
         ks.append(clean[0].flatten(0, 1)[slot])
         vs.append(clean[1].flatten(0, 1)[slot])

@@ -64,7 +64,8 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
                   device: torch.device) -> LaunchConfig:
     """Tiles for a batch: 16-row tiles when every request has few new tokens (decodes), up to
     128 rows for prefill chunks; split-KV when the batch's programs alone cannot fill the GPU
-    twice over and contexts are long enough to give each split MIN_TOKENS_PER_SPLIT keys."""
+    twice over and contexts are long enough to give each split MIN_TOKENS_PER_SPLIT keys, in a
+    power-of-two count (1, 2, 4, ... MAX_SPLITS: few compiled variants, see `warm_up`)."""
     d_pad = max(_next_pow2(head_dim), 16)
     big = d_pad > 128 or dtype == torch.float32
     block_m = min(max(_next_pow2(max_query_len * group), 16), 64 if big else 128)
@@ -86,6 +87,9 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
     if programs < target:
         splits = max(1, min(-(-target // programs), max_seq_len // MIN_TOKENS_PER_SPLIT,
                             MAX_SPLITS))
+        # a power of two (still >= one program per SM): NUM_SPLITS is a compile-time constant,
+        # and any count would compile a kernel variant per new batch shape while serving
+        splits = 1 << (splits.bit_length() - 1)
     return LaunchConfig(block_m, tile_n, warps, stages, splits)
 
 
