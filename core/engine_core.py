@@ -161,7 +161,7 @@ class EngineCore:
         self._times = EngineCoreStats()  # only its per-request time lists are used
         self.structured = StructuredOutputManager(
             lambda: make_structured_output_backend(config, setup, registry),
-            int(setup.hf_config.vocab_size))
+            int(setup.hf_config.vocab_size), config.max_num_seqs)
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
@@ -208,12 +208,13 @@ class EngineCore:
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
         req.sampling_state = SamplingState.from_params(sp, r.seed, req.prompt_token_ids,
                                                        r.eos_token_ids)
-        if r.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {r.request_id!r} is already in the engine")
         so = getattr(sp, "structured_outputs", None)
-        if so is not None:  # compiled once per distinct constraint; raises SamplingParamsError
-            self.structured.add_request(r.request_id, so)
-        self.scheduler.add_request(req)
+        # compiled once per distinct constraint; raises SamplingParamsError before anything
+        # is queued, and a matcher is tracked only once the scheduler took the id
+        tracked = self.structured.start(so) if so is not None else None
+        self.scheduler.add_request(req)  # raises ValueError for an id in use
+        if tracked is not None:
+            self.structured.track(r.request_id, tracked)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         self.structured.remove(request_ids)
@@ -327,7 +328,9 @@ class EngineCore:
                            # preempted and still waiting: the token is good (its KV will be
                            # recomputed with it); dropped only once the request runs again
                            or snap[0].status == RequestStatus.PREEMPTED)}
-        failed = self._accept_structured(sampled) if self.structured.has_requests else {}
+        constrained = step.so.structured_output  # the step's constrained rows that sampled
+        failed = ({} if constrained is None
+                  else self._accept_structured(constrained.request_ids, sampled))
         outputs = []
         now = time.monotonic()
         for req, new in self.scheduler.update_from_output(step.so, sampled):
@@ -342,19 +345,23 @@ class EngineCore:
         for req in self.scheduler.fail_requests(list(failed)):
             outputs.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR.value,
                                             failed[req.request_id]))
-        if self.structured.has_requests:
-            self.structured.remove(o.request_id for o in outputs if o.finish_reason)
+        if constrained is not None:  # a constrained request finishes only in a step it samples in
+            reqs = self.scheduler.requests
+            self.structured.remove(rid for rid in constrained.request_ids if rid not in reqs)
         return outputs
 
-    def _accept_structured(self, sampled: dict[str, int]) -> dict[str, str]:
-        """Advance the matchers of the constrained requests that got a token (the same ones
-        `update_from_output` appends to); a token the constraint forbids is taken out of
-        ``sampled`` and its request is returned (id -> error) to finish with an error."""
+    def _accept_structured(self, request_ids: list[str],
+                           sampled: dict[str, int]) -> dict[str, str]:
+        """Advance the matchers of ``request_ids`` (the step's constrained sampling rows) that
+        got a token (the same ones `update_from_output` appends to); a token the constraint
+        forbids is taken out of ``sampled`` and its request is returned (id -> error) to
+        finish with an error. Unconstrained rows are not visited."""
         failed = {}
         reqs = self.scheduler.requests
-        for rid, tok in list(sampled.items()):
+        for rid in request_ids:
+            tok = sampled.get(rid)
             req = reqs.get(rid)
-            if req is None or rid not in self.structured or req.status not in (
+            if tok is None or req is None or rid not in self.structured or req.status not in (
                     RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 continue
             error = self.structured.accept(rid, tok)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .runner_request import PromptLogprobsJob, RunnerRequest
-from .sampling_columns import SamplingColumns, prompt_logprob_jobs
+from .sampling_columns import SamplingColumns
 from .sampling_inputs import SamplingFlags, SamplingLayout, write_sections
 from .sampling_state import SamplingState
 from .scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
@@ -235,9 +235,9 @@ class InputBatch:
         sections = {} if self.sampling.idle else self.sampling.sections(
             slots[sample_rows], sample_positions + 1, sample_ids, self.row_req, inp.flags,
             inp.logprob_widths)
-        if self.sampling.num_prompt_logprobs:
-            inp.prompt_jobs = prompt_logprob_jobs(sched, [self.row_req[r] for r in slots],
-                                                  inp.query_start_loc)
+        if self.sampling.prompt_logprobs_pending:  # only those rows are visited
+            inp.prompt_jobs = self.sampling.prompt_logprob_jobs(sched, slots,
+                                                                inp.query_start_loc)
             if inp.prompt_jobs:
                 sections["plp_rows"] = [j.row0 + k for j in inp.prompt_jobs
                                         for k in range(len(j.targets))]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from .block_hash import BlockHash
-from .kv_window import cdiv, max_blocks_held, num_skipped_blocks, window_hit_length
+from .kv_window import cdiv, max_blocks_held, num_skipped_blocks, window_hit
 
 @dataclass(eq=False)
 class KVCacheBlock:
@@ -250,18 +250,16 @@ class KVCacheManager:
 
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
         since its logits are needed. With a sliding window only the blocks inside the window of
-        the first token to compute must be cached (`window_hit_length`); the entries before
-        them are the null block.
+        the first token to compute must be cached, and only those (and misses after them) are
+        looked up (`window_hit`); the entries before them are the null block.
         """
         if not self.enable_caching:
             return []
         limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
-        if self.sliding_window is not None:
-            found = [self.pool.lookup(h) for h in block_hashes[:limit]]
-            n = window_hit_length([b is not None for b in found], self.sliding_window,
-                                  self.block_size)
-            skip = num_skipped_blocks(n * self.block_size, self.sliding_window, self.block_size)
-            return [self.null_block] * skip + found[skip:n]
+        if self.sliding_window is not None:  # looks up only the blocks a hit can use
+            n, found = window_hit(lambda i: self.pool.lookup(block_hashes[i]), limit,
+                                  self.sliding_window, self.block_size)
+            return [self.null_block] * (n - len(found)) + found
         hits = []
         for h in block_hashes[:limit]:
             b = self.pool.lookup(h)

@@ -16,6 +16,10 @@ computes ``n`` of its tokens: for a decode (n = 1), ``window / block_size + 2`` 
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -38,18 +42,38 @@ def max_blocks_held(num_tokens: int, window: int | None, block_size: int,
     return min(whole, cdiv(window - 1 + max_step_tokens, block_size) + 1)
 
 
+def window_hit(lookup: Callable[[int], T | None], num_blocks: int, window: int,
+               block_size: int) -> tuple[int, list[T]]:
+    """The longest prefix-cache hit, in blocks, for a windowed request, and its blocks that the
+    first token to compute reads. ``lookup(i)``: the request's block ``i`` (of the
+    ``num_blocks`` a hit may cover) if it is cached, else None.
+
+    A hit of ``n`` blocks makes position ``n * block_size`` the first token to compute, which
+    reads only the blocks from ``s = num_skipped_blocks(n * block_size)`` on: those must be
+    cached, the ones before need not be (their hashes chain into the later ones, so a later
+    block's hash names the whole prefix) and are not looked up. Scans from the right as vLLM
+    v1's sliding-window hit search does: a miss at block ``i`` rules out every hit longer than
+    ``i``, so each block is looked up at most once, and a hit of ``n`` looks up only blocks
+    ``s .. num_blocks - 1``. Returns ``(n, [lookup(s), ..., lookup(n - 1)])``; ``(0, [])`` for
+    no hit."""
+    end = num_blocks  # the longest hit not ruled out yet
+    run: list[T] = []  # cached blocks end - 1, end - 2, ... (reversed)
+    i = end - 1
+    while end > 0:
+        if i < num_skipped_blocks(end * block_size, window, block_size):
+            run.reverse()
+            return end, run
+        b = lookup(i)
+        if b is None:
+            end, run = i, []
+        else:
+            run.append(b)
+        i -= 1
+    return 0, []
+
+
 def window_hit_length(cached: list[bool], window: int, block_size: int) -> int:
-    """The longest prefix-cache hit, in blocks, for a windowed request: ``cached[i]`` tells
-    whether the request's block ``i`` (of those a hit may cover) is in the cache. A hit of ``n``
-    blocks makes position ``n * block_size`` the first token to compute, which reads only the
-    blocks from ``num_skipped_blocks(n * block_size)`` on: those must be cached, the ones before
-    need not be (their hashes chain into the later ones, so a later block's hash names the
-    whole prefix). Scans from the right as vLLM v1's sliding-window hit search does; O(len)."""
-    runs, run = [], 0  # runs[i]: cached blocks in a row ending at block i
-    for c in cached:
-        run = run + 1 if c else 0
-        runs.append(run)
-    for n in range(len(cached), 0, -1):
-        if runs[n - 1] >= n - num_skipped_blocks(n * block_size, window, block_size):
-            return n
-    return 0
+    """`window_hit`'s length, from ``cached[i]``: whether the request's block ``i`` (of those a
+    hit may cover) is in the cache."""
+    return window_hit(lambda i: True if cached[i] else None, len(cached), window,
+                      block_size)[0]

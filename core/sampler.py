@@ -167,16 +167,21 @@ def apply_token_bitmask(logits: torch.Tensor, batch: "StructuredOutputBatch",
                         sample_ids: list[str]) -> torch.Tensor:
     """Set the logits of tokens that ``batch``'s bitmask forbids to -inf (out of place).
     logits: [n, vocab] fp32, row i the logits of ``sample_ids[i]``; returns [n, vocab] fp32.
-    Rows of requests not in the batch are untouched (core/structured_output.py). The bitmask
-    and its rows go to the device as two asynchronous copies from pinned memory, only in steps
-    with a constrained row."""
-    index = {rid: i for i, rid in enumerate(sample_ids)}
-    pairs = [(index[rid], j) for j, rid in enumerate(batch.request_ids) if rid in index]
-    if not pairs:
+    Rows of requests not in the batch are untouched (core/structured_output.py). The batch's
+    ``rows`` are its logits rows when set (the engine core's; ``sample_ids`` is then not read),
+    else they are found by id. The bitmask and its rows go to the device as two asynchronous
+    copies from pinned memory, only in steps with a constrained row."""
+    if batch.rows is not None:
+        picked, bitmask = batch.rows, batch.bitmask
+    else:
+        index = {rid: i for i, rid in enumerate(sample_ids)}
+        pairs = [(index[rid], j) for j, rid in enumerate(batch.request_ids) if rid in index]
+        picked, bitmask = [p[0] for p in pairs], batch.bitmask[[p[1] for p in pairs]]
+    if not picked:
         return logits
     dev = logits.device
-    rows = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-    words = torch.from_numpy(batch.bitmask[[p[1] for p in pairs]])
+    rows = torch.tensor(picked, dtype=torch.long)
+    words = torch.from_numpy(bitmask)
     if dev.type == "cuda":  # from pinned memory: the copies do not wait for the forward
         rows = rows.pin_memory().to(dev, non_blocking=True)
         words = words.pin_memory().to(dev, non_blocking=True)

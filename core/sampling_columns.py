@@ -7,6 +7,8 @@ sections (core/sampling_inputs.py) and the flags that pick the sampler's fast pa
 batch writes them into the step's one pinned buffer. Penalty rows (``PenaltyState`` slots, 0 =
 none) are handed out here, on the host; the tensors live in core/penalties.py, and the rows given
 to new requests and their prompt tokens travel in the step's sections, to be set on the device.
+Prompt log-prob jobs (`SamplingColumns.prompt_logprob_jobs`) visit only the records with prompt
+log-probs still to hand out, and none once those are sent.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ class SamplingColumns:
         self.penalty_free: list[int] = []
         self._fresh_penalty: list[int] = []
         self._new_prompt_masks: list[tuple[int, list[int]]] = []
-        self.num_prompt_logprobs = 0  # records that ask for prompt log-probs
+        # records with prompt log-probs still to hand out (request id -> record), and each
+        # row's index in the current step (valid where ``slots[index[row]] == row``)
+        self.prompt_logprobs_pending: dict[str, RunnerRequest] = {}
+        self._step_index = np.zeros(n, dtype=np.int64)
 
     # ---- records and rows ---------------------------------------------------------------------
 
@@ -60,8 +65,8 @@ class SamplingColumns:
         """A request's first admission: its penalty row (zeroed, its prompt marked, on the
         device with the next step)."""
         st = rec.sampling
-        if st.prompt_logprobs is not None:
-            self.num_prompt_logprobs += 1
+        if st.prompt_logprobs is not None and rec.next_prompt_logprob < st.num_prompt_tokens:
+            self.prompt_logprobs_pending[rec.request_id] = rec
         if not st.has_penalties:
             return
         if not self.penalty_free:  # double the rows (slot 0 is never handed out)
@@ -77,8 +82,7 @@ class SamplingColumns:
         """A finished request: its penalty row is free again."""
         if rec.penalty_slot:
             self.penalty_free.append(rec.penalty_slot)
-        if rec.sampling.prompt_logprobs is not None:
-            self.num_prompt_logprobs -= 1
+        self.prompt_logprobs_pending.pop(rec.request_id, None)
 
     def set_row(self, row: int, rec: RunnerRequest) -> None:
         """Write ``rec``'s parameters into ``row`` (once, when it gets the row)."""
@@ -172,6 +176,40 @@ class SamplingColumns:
             self._sparse(rows, positions, row_req, out)
         return out
 
+    def prompt_logprob_jobs(self, scheduled, slots: np.ndarray,
+                            query_start_loc: list[int]) -> list[PromptLogprobsJob]:
+        """Prompt log-prob jobs of a step: rows at positions p (< num_prompt_tokens - 1)
+        predict prompt token p + 1; each prompt index is handed out once (a recompute after
+        preemption skips those already sent). Only the records with prompt log-probs still to
+        hand out (`prompt_logprobs_pending`) are visited, not the step's other rows; a record
+        leaves once its last prompt index is handed out. ``scheduled``: the step's rows,
+        ``slots`` [B] int64 their batch rows; jobs come in batch order."""
+        pending = self.prompt_logprobs_pending
+        where = self._step_index
+        where[slots] = np.arange(len(slots))
+        found = []
+        for rec in pending.values():
+            if rec.row >= 0:
+                i = int(where[rec.row])
+                if i < len(slots) and slots[i] == rec.row:  # scheduled in this step
+                    found.append((i, rec))
+        found.sort(key=lambda f: f[0])
+        jobs = []
+        for i, rec in found:
+            sr = scheduled[i]
+            num_prompt = rec.sampling.num_prompt_tokens
+            first = max(sr.start_pos, rec.next_prompt_logprob - 1)
+            end = min(sr.start_pos + len(sr.token_ids), num_prompt - 1)
+            if first >= end:
+                continue
+            rec.next_prompt_logprob = end + 1
+            if rec.next_prompt_logprob >= num_prompt:  # its last prompt index: nothing left
+                del pending[rec.request_id]
+            jobs.append(PromptLogprobsJob(
+                sr.request_id, query_start_loc[i] + first - sr.start_pos, first + 1,
+                rec.prompt_token_ids[first + 1:end + 1], rec.sampling.prompt_logprobs))
+        return jobs
+
     def _sparse(self, rows: np.ndarray, positions: np.ndarray,
                 row_req: list[RunnerRequest | None], out: dict) -> None:
         """logit_bias entries, and the min-tokens mask of rows still short of min_tokens."""
@@ -207,23 +245,3 @@ def top_k_width(top_k: np.ndarray, vocab: int | None) -> int:
     if k > MAX_CANDIDATES:
         return 0
     return min(max(MIN_CANDIDATES, 1 << (k - 1).bit_length()), vocab)
-
-
-def prompt_logprob_jobs(scheduled, recs: list[RunnerRequest],
-                        query_start_loc: list[int]) -> list[PromptLogprobsJob]:
-    """Prompt log-prob jobs of a step's rows (``recs`` aligned with ``scheduled``) that ask for
-    them: rows at positions p (< num_prompt_tokens - 1) predict prompt token p + 1; each prompt
-    index is handed out once (a recompute after preemption skips those already sent)."""
-    jobs = []
-    for i, (sr, rec) in enumerate(zip(scheduled, recs)):
-        num = rec.sampling.prompt_logprobs
-        if num is None:
-            continue
-        first = max(sr.start_pos, rec.next_prompt_logprob - 1)
-        end = min(sr.start_pos + len(sr.token_ids), rec.sampling.num_prompt_tokens - 1)
-        if first >= end:
-            continue
-        rec.next_prompt_logprob = end + 1
-        jobs.append(PromptLogprobsJob(sr.request_id, query_start_loc[i] + first - sr.start_pos,
-                                      first + 1, rec.prompt_token_ids[first + 1:end + 1], num))
-    return jobs

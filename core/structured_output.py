@@ -9,10 +9,14 @@ which the core advances with each accepted token and asks for the next token bit
 
 The token bitmask is xgrammar's layout: int32 [rows, ceil(vocab / 32)], bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` may come next. The engine core fills one row per constrained
-request that samples in a step, after scheduling and before the step is launched, and sends it
-to the runner in the `SchedulerOutput` (`StructuredOutputBatch`); the runner masks those rows'
-logits (core/sampler.py's `apply_token_bitmask`) before the sampler. Steps without a
-constrained row carry None and do no extra work.
+request that samples in a step, after scheduling and before the step is launched, into one
+buffer of ``max_num_seqs`` rows kept for the engine's life (rows are overwritten whole, never
+cleared), and sends the filled rows to the runner in the `SchedulerOutput`
+(`StructuredOutputBatch`, with each row's logits row); the runner masks those rows' logits
+(core/sampler.py's `apply_token_bitmask`) before the sampler. Steps without a constrained row
+carry None and do no extra work; the host never scans a bitmask, except to explain a request
+that failed. A request's constraint is parsed once (`StructuredOutputsParams.constraint`,
+memoized, travels with the params to the core's process) and compiled once per distinct one.
 
 Overlap (async scheduling): a step's bitmask needs every earlier token of its requests accepted
 by their matchers, so this slice schedules no step while another is in flight when a
@@ -65,9 +69,18 @@ class StructuredOutputsParams:
         self.constraint()  # raises for a malformed value
 
     def constraint(self) -> "Constraint":
-        """The canonical `Constraint` (hashable: the compile cache key). Raises
-        SamplingParamsError for a value of the wrong shape (not for what only compiling can
-        tell: `StructuredOutputBackend.validate`)."""
+        """The canonical `Constraint` (hashable: the compile cache key), parsed on the first
+        call and kept on the params (they are frozen), so that validating, the front half's
+        compile check and the engine core (the params are pickled with it) share one parse.
+        Raises SamplingParamsError for a value of the wrong shape (not for what only compiling
+        can tell: `StructuredOutputBackend.validate`)."""
+        c = self.__dict__.get("_constraint")
+        if c is None:
+            c = self._parse()
+            object.__setattr__(self, "_constraint", c)  # not a field: eq, hash, repr ignore it
+        return c
+
+    def _parse(self) -> "Constraint":
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -120,7 +133,8 @@ class GrammarMatcher(Protocol):
 
     def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> None:
         """Write row ``index`` of ``bitmask`` (int32 [rows, ceil(vocab / 32)]): the tokens
-        allowed next."""
+        allowed next. Every word of the row is written (the core reuses one buffer across
+        steps: the row holds another request's mask before)."""
 
     def is_terminated(self) -> bool:
         """Whether the constraint is complete and its stop token was accepted."""
@@ -158,10 +172,14 @@ class StructuredOutputBatch:
     """A step's constrained sampled rows (engine core -> runner, in the SchedulerOutput).
 
     request_ids: the constrained requests that sample in the step; bitmask: int32 [len, ceil(
-    vocab / 32)], row i for request_ids[i] (xgrammar's layout)."""
+    vocab / 32)], row i for request_ids[i] (xgrammar's layout; from the manager, a view of its
+    buffer, valid until its next `StructuredOutputManager.batch`). rows: row i's index among
+    the step's sampling rows in batch order (the runner's logits rows), or None (then the
+    runner finds them by id)."""
 
     request_ids: list[str]
     bitmask: np.ndarray
+    rows: list[int] | None = None
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -169,29 +187,32 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 @dataclass
-class _Tracked:
-    """The core's one record of a constrained request."""
+class TrackedRequest:
+    """The core's one record of a constrained request: its matcher and its constraint."""
 
     matcher: GrammarMatcher
     constraint: Constraint
-    dead_end: bool = False  # its last bitmask allowed no token at all
 
 
 class StructuredOutputManager:
     """The engine core's structured output state: the backend (made on first use, with the
-    model's tokenizer), compiled constraints by key, and a matcher per constrained request.
+    model's tokenizer), compiled constraints by key, a matcher per constrained request, and
+    the bitmask buffer the steps' rows are filled into.
 
     ``make_backend()`` -> a `StructuredOutputBackend` (the core binds the configured plugin,
-    the tokenizer and the vocabulary)."""
+    the tokenizer and the vocabulary). ``max_num_seqs``: rows of the bitmask buffer (made at
+    the first constrained step; a step with more constrained rows grows it)."""
 
     MAX_CACHED = 256  # compiled constraints kept (oldest dropped first)
 
-    def __init__(self, make_backend, vocab_size: int) -> None:
+    def __init__(self, make_backend, vocab_size: int, max_num_seqs: int = 1) -> None:
         self._make_backend = make_backend
         self._backend: StructuredOutputBackend | None = None
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
         self._compiled: dict[Constraint, Any] = {}
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, TrackedRequest] = {}
+        self._bitmask: np.ndarray | None = None  # int32 [rows, bitmask_width(vocab_size)]
         self.num_compiles = 0  # for tests: distinct constraints compiled
 
     @property
@@ -202,8 +223,14 @@ class StructuredOutputManager:
         return request_id in self._requests
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Compile (or reuse) the request's constraint and start its matcher. Raises
-        SamplingParamsError naming the field."""
+        """Compile (or reuse) the request's constraint and start its matcher (`start` then
+        `track`). Raises SamplingParamsError naming the field."""
+        self.track(request_id, self.start(params))
+
+    def start(self, params: StructuredOutputsParams) -> TrackedRequest:
+        """A matcher at the start of the params' constraint, compiled once per distinct
+        constraint; nothing is tracked yet (`track`). Raises SamplingParamsError naming the
+        field."""
         if self._backend is None:
             self._backend = self._make_backend()
         c = params.constraint()
@@ -214,7 +241,11 @@ class StructuredOutputManager:
             if len(self._compiled) >= self.MAX_CACHED:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[c] = compiled
-        self._requests[request_id] = _Tracked(self._backend.matcher(compiled), c)
+        return TrackedRequest(self._backend.matcher(compiled), c)
+
+    def track(self, request_id: str, tracked: TrackedRequest) -> None:
+        """Constrain ``request_id`` by ``tracked`` (from `start`) from its next step on."""
+        self._requests[request_id] = tracked
 
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -222,16 +253,21 @@ class StructuredOutputManager:
 
     def batch(self, sampled_ids: list[str]) -> StructuredOutputBatch | None:
         """The bitmask of the constrained requests among ``sampled_ids`` (the step's rows that
-        sample), or None when there are none."""
-        ids = [rid for rid in sampled_ids if rid in self._requests]
-        if not ids:
+        sample, in batch order), or None when there are none. Only those rows are filled, in
+        the manager's buffer: the batch's bitmask is valid until the next call."""
+        reqs = self._requests
+        rows = [i for i, rid in enumerate(sampled_ids) if rid in reqs]
+        if not rows:
             return None
-        bitmask = np.zeros((len(ids), bitmask_width(self.vocab_size)), dtype=np.int32)
+        n = len(rows)
+        buf = self._bitmask
+        if buf is None or len(buf) < n:
+            buf = self._bitmask = np.empty((max(n, self.max_num_seqs),
+                                            bitmask_width(self.vocab_size)), dtype=np.int32)
+        ids = [sampled_ids[i] for i in rows]
         for i, rid in enumerate(ids):
-            t = self._requests[rid]
-            t.matcher.fill_next_token_bitmask(bitmask, i)
-            t.dead_end = not bitmask[i].any()
-        return StructuredOutputBatch(ids, bitmask)
+            reqs[rid].matcher.fill_next_token_bitmask(buf, i)
+        return StructuredOutputBatch(ids, buf[:n], rows)
 
     def accept(self, request_id: str, token_id: int) -> str | None:
         """Advance the request's matcher; None when the token is allowed (or the request is not
@@ -239,7 +275,11 @@ class StructuredOutputManager:
         t = self._requests.get(request_id)
         if t is None or t.matcher.accept_token(token_id):
             return None
-        if t.dead_end:
+        # only now is a bitmask read on the host: the matcher did not move (it rejected the
+        # token), so its mask now is the one this step sampled under
+        row = np.empty((1, bitmask_width(self.vocab_size)), dtype=np.int32)
+        t.matcher.fill_next_token_bitmask(row, 0)
+        if not row.any():
             why = "no token can continue it"
         else:  # e.g. only EOS continues it, and min_tokens masks EOS out
             why = (f"token {token_id} was sampled, which it forbids (every token it allows was "

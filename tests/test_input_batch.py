@@ -7,6 +7,7 @@ import pytest
 
 from pagebatch.cuda_graphs import bucket_for, capture_sizes
 from pagebatch.input_batch import InputBatch
+from pagebatch.sampling_state import SamplingState
 from pagebatch.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagebatch.step_layout import PAD_SLOT, StepLayout
 
@@ -128,3 +129,51 @@ def test_the_runner_retires_slots_on_an_empty_step(tiny_model_dir):
     assert "x" in runner.input_batch.slot_of
     runner.execute(_so(preempted=["x"]))
     assert "x" not in runner.input_batch.slot_of
+
+
+def _plp(rid, prompt, tokens, start, blocks, sample, num=2) -> ScheduledRequest:
+    """A new row of a request asking for ``num`` prompt log-probs."""
+    st = SamplingState(0.0, 0, 1.0, 0, num_prompt_tokens=len(prompt), prompt_logprobs=num)
+    return ScheduledRequest(rid, tokens, start, blocks, sample, NewRequestData(list(prompt), st))
+
+
+def _jobs(inp):
+    return [(j.request_id, j.row0, j.start, j.targets, j.num) for j in inp.prompt_jobs]
+
+
+def test_prompt_logprob_jobs_visit_only_rows_with_prompt_work_left():
+    """Chunked prompts of two prompt-logprob requests beside a plain one: each prompt index is
+    handed out once, in batch order; a request whose prompt is done stops being visited, and a
+    preempted one resumes where it was (nothing handed out twice)."""
+    ib = _batch(max_num_seqs=4, max_blocks=8)
+    pa, pb = [10, 11, 12, 13, 14, 15], [20, 21, 22]
+    inp = ib.prepare(_so(_new("x", [1, 2], 0, [1], True),
+                         _plp("b", pb, pb, 0, [2], True),
+                         _plp("a", pa, pa[:4], 0, [3, 4], False)))
+    assert _jobs(inp) == [("b", 2, 1, [21, 22], 2), ("a", 5, 1, [11, 12, 13, 14], 2)]
+    assert list(ib.sampling.prompt_logprobs_pending) == ["a"]  # b's prompt is done
+    inp = ib.prepare(_so(ScheduledRequest("x", [5], 2, [], True),
+                         ScheduledRequest("b", [23], 3, [], True),
+                         ScheduledRequest("a", pa[4:], 4, [], True)))
+    assert _jobs(inp) == [("a", 2, 5, [15], 2)]
+    assert not ib.sampling.prompt_logprobs_pending
+    inp = ib.prepare(_so(ScheduledRequest("a", [30], 6, [5], True)))
+    assert inp.prompt_jobs == []
+    # preempted mid-prompt: the recompute hands out only what was not sent
+    ib.retire(_so(finished=["a", "b", "x"]))
+    ib.prepare(_so(_plp("c", pa, pa[:3], 0, [6], False)))
+    ib.retire(_so(preempted=["c"]))
+    assert "c" in ib.sampling.prompt_logprobs_pending
+    inp = ib.prepare(_so(_new("x2", [7], 0, [7], True), _plp("c", pa, pa, 0, [6, 0], True)))
+    assert _jobs(inp) == [("c", 1 + 3, 4, [14, 15], 2)]
+    ib.remove(["c", "x2"])
+    assert not ib.sampling.prompt_logprobs_pending
+
+
+def test_a_finished_prompt_logprob_request_leaves_the_pending_records():
+    ib = _batch()
+    p = [10, 11, 12, 13, 14, 15]
+    ib.prepare(_so(_plp("a", p, p[:2], 0, [1, 2], False)))
+    assert "a" in ib.sampling.prompt_logprobs_pending
+    ib.retire(_so(finished=["a"]))
+    assert not ib.sampling.prompt_logprobs_pending

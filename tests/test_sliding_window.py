@@ -11,11 +11,14 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from helpers_sched import (FakeRunner, check_scheduler_invariants, default_next_token,
                            make_request, reference_outputs, step)
+from pagebatch.block_hash import extend_block_hashes
 from pagebatch.kv_cache import KVCacheManager
-from pagebatch.kv_window import max_blocks_held, num_skipped_blocks, window_hit_length
+from pagebatch.kv_window import (max_blocks_held, num_skipped_blocks, window_hit,
+                                 window_hit_length)
 from pagebatch.scheduler import Scheduler
 from pagebatch.schedulers.fcfs import FCFSPolicy
 
@@ -61,6 +64,46 @@ def test_the_window_rule():
     assert window_hit_length([False, False, True, True, True, True], W, BS) == 6
     assert window_hit_length([False, False, True, True, True, False], W, BS) == 0
     assert window_hit_length([True, True, False, True], W, BS) == 2  # from 0: all must be there
+
+
+def _hit_by_every_length(cached: list[bool], window: int, bs: int) -> int:
+    """The rule stated directly: the longest n whose blocks from num_skipped_blocks(n * bs) on
+    are all cached."""
+    return max([n for n in range(1, len(cached) + 1)
+                if all(cached[num_skipped_blocks(n * bs, window, bs):n])], default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 70), st.sampled_from([1, 4, 8]))
+def test_window_hit_is_the_longest_usable_hit_and_looks_up_only_what_it_can_use(
+        cached, window, bs):
+    looked: list[int] = []
+    n, found = window_hit(lambda i: looked.append(i) or (i if cached[i] else None),
+                          len(cached), window, bs)
+    assert n == _hit_by_every_length(cached, window, bs) == window_hit_length(cached, window, bs)
+    skip = num_skipped_blocks(n * bs, window, bs) if n else 0
+    assert found == list(range(skip, n))  # the blocks the first token to compute reads
+    assert len(looked) == len(set(looked))  # each block at most once
+    # below the hit's end exactly the blocks its first token reads, none behind its window
+    assert sorted(i for i in looked if i < n) == list(range(skip, n))
+
+
+def test_a_windowed_hit_looks_up_only_the_window_of_a_long_prompt():
+    """A 100-block cached prompt: the hit's lookups are the blocks its first token reads (the
+    last cdiv(W - 1, BS) + 1 before the hit's end), not the 95 released behind them."""
+    kv = KVCacheManager(128, BS, enable_caching=True, sliding_window=W)
+    req = make_request("a", 100 * BS + 1, max_tokens=1)
+    extend_block_hashes(req.block_hashes, req.all_token_ids, BS, None)
+    assert kv.allocate_slots("a", req.num_tokens, block_hashes=req.block_hashes) is not None
+    kv.free("a")
+    looked = []
+    lookup = kv.pool.lookup
+    kv.pool.lookup = lambda h: looked.append(h) or lookup(h)
+    hits = kv.get_computed_blocks(req.block_hashes, req.num_tokens)
+    skip = num_skipped_blocks(100 * BS, W, BS)
+    assert len(hits) == 100 and hits[:skip] == [kv.null_block] * skip
+    assert [b.block_hash for b in hits[skip:]] == req.block_hashes[skip:100]
+    assert len(looked) == 100 - skip == 4  # blocks 96..99 of W=32, BS=8
 
 
 @pytest.mark.parametrize("prompt_len, budget", [(16, 1024), (20 * W - 40, BS), (200, 64)])

@@ -51,16 +51,21 @@ def _grammar(c: Constraint) -> xgr.Grammar:
 
 
 class _Matcher:
-    """xgrammar's GrammarMatcher over the core's numpy bitmask rows."""
+    """xgrammar's GrammarMatcher over the core's numpy bitmask rows (xgrammar writes the whole
+    row). The torch view of the core's buffer, which is the same array every step, is kept."""
 
     def __init__(self, m: xgr.GrammarMatcher) -> None:
         self._m = m
+        self._array: np.ndarray | None = None
+        self._tensor: torch.Tensor | None = None
 
     def accept_token(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
     def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> None:
-        self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), index)
+        if bitmask is not self._array:
+            self._array, self._tensor = bitmask, torch.from_numpy(bitmask)
+        self._m.fill_next_token_bitmask(self._tensor, index)
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
