@@ -554,3 +554,20 @@ def test_the_worked_example_parser_in_plugins_md():
     assert _stream(p, text, range(1, len(text) + 1)) == (
         "Sure.", [("get_weather", '{"city": "Paris"}'), ("f", "{}")])
     assert p.parse('hi <call name="x">oops</call>').calls == ()
+
+
+def test_server_keys_are_checked_at_start(tiny_model_dir):
+    from pagebatch import EngineConfig
+    from pagebatch.errors import ConfigError, PluginError
+    from pagebatch.plugins.frontends.http.server import Settings
+
+    def settings(**keys):
+        return Settings.from_config(EngineConfig.from_sources(
+            cli={"model": str(tiny_model_dir), **keys}))
+
+    with pytest.raises(PluginError, match="no tool parser named 'nope'.*hermes"):
+        settings(tool_call_parser="nope")
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        settings(enable_auto_tool_choice=True)
+    s = settings(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    assert (s.tool_call_parser, s.enable_auto_tool_choice) == ("llama3_json", True)
