@@ -115,10 +115,10 @@ class AsyncEngine:
         rest = prompt if isinstance(prompt, dict) else {}
         return {**rest, "prompt": text, "prompt_token_ids": ids}
 
-    async def chat_prompt(self, messages: list[dict[str, Any]],
-                          max_tokens: int | None = None) -> dict[str, Any]:
+    async def chat_prompt(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """`LLMEngine.chat_prompt` (the chat template, then tokenization) on a worker thread."""
-        return await self.run_off_loop(self.engine.chat_prompt, messages, max_tokens)
+        return await self.run_off_loop(self.engine.chat_prompt, messages, max_tokens, tools)
 
     async def run_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the tokenizer threads (TOKENIZER_THREADS): for work on user input

@@ -194,16 +194,17 @@ class LLMEngine:
         raise InvalidRequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
                                   f"got {type(prompt).__name__}")
 
-    def chat_prompt(self, messages: list[dict[str, Any]],
-                    max_tokens: int | None = None) -> dict[str, Any]:
-        """``{"prompt_token_ids": [...]}`` of ``messages`` through the chat template; text that
-        cannot fit max_model_len with ``max_tokens`` is refused early (as `tokenize_text`).
-        Touches no engine state (`AsyncEngine` calls it on a worker thread)."""
+    def chat_prompt(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """``{"prompt_token_ids": [...]}`` of ``messages`` (and ``tools``, OpenAI tool objects)
+        through the chat template; text that cannot fit max_model_len with ``max_tokens`` is
+        refused early (as `tokenize_text`). Touches no engine state (`AsyncEngine` calls it on
+        a worker thread)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer (dummy weights)")
         return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages,
                                                     max_model_len=self.max_model_len,
-                                                    max_tokens=max_tokens)}
+                                                    max_tokens=max_tokens, tools=tools)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:

@@ -76,6 +76,17 @@ def register_structured_output_backends(register):
 
 
 @hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers: ``register(name, cls)``.
+
+    ``cls(tokenizer)`` must implement ``pagebatch.tool_parser.ToolParser``: turn a model's text
+    (whole, or a prefix while streaming) into OpenAI tool calls and the content around them.
+    Selected by the HTTP server's ``tool_call_parser: NAME`` (built-ins ``hermes``,
+    ``llama3_json``); used for requests with ``tool_choice: auto``.
+    """
+
+
+@hookspec
 def register_frontends(register):
     """Register frontends: ``register(name, frontend)``.
 

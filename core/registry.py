@@ -46,6 +46,7 @@ KINDS = {
     "attention_backend": "register_attention_backends",
     "model": "register_models",
     "structured_output_backend": "register_structured_output_backends",
+    "tool_parser": "register_tool_parsers",
     "frontend": "register_frontends",
     "command": "register_commands",
     "config_option": "register_config_options",
@@ -214,6 +215,10 @@ class Registry:
     def structured_output_backend(self, name: str) -> type:
         """The `StructuredOutputBackend` class named ``name`` (core/structured_output.py)."""
         return self.get("structured_output_backend", name)
+
+    def tool_parser(self, name: str) -> type:
+        """The `ToolParser` class named ``name`` (core/tool_parser.py)."""
+        return self.get("tool_parser", name)
 
     def model_class(self, architecture: str) -> type[CausalLM]:
         """The model class of a Hugging Face architecture name (core/model.py)."""

@@ -90,7 +90,8 @@ class StructuredOutputsParams:
                     raise self._bad("json", f"is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise self._bad("json", "must be a JSON schema (an object)")
-            return Constraint("json", json.dumps(schema, sort_keys=True), self._field("json"))
+            # key order kept: a backend generates an object's properties in schema order
+            return Constraint("json", json.dumps(schema), self._field("json"))
         if self.json_object:
             return Constraint("json_object", "", self._field("json_object"))
         if self.regex is not None:
@@ -116,9 +117,10 @@ class StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class Constraint:
-    """A constraint in canonical form: ``kind`` one of `KINDS`; ``spec`` the schema as sorted
-    JSON text, the regex, the choices as a JSON list, the grammar ('' for json_object).
-    Hashable: (kind, spec) is the compile cache key."""
+    """A constraint in canonical form: ``kind`` one of `KINDS`; ``spec`` the schema as JSON
+    text (in its own key order, which is the order of generated properties), the regex, the
+    choices as a JSON list, the grammar ('' for json_object). Hashable: (kind, spec) is the
+    compile cache key."""
 
     kind: str
     spec: str

@@ -21,8 +21,13 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True, max_model_len: int | None = None,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template.
+
+    ``tools``: OpenAI tool objects (``{"type": "function", "function": {...}}``) the template
+    renders (transformers' ``apply_chat_template(tools=...)``; a template that ignores tools
+    ignores them).
 
     The template text already holds any BOS, so it is tokenized without adding special tokens
     (one BOS, not two). Raises InvalidRequestError for malformed messages or no template; with
@@ -36,7 +41,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; use generate "
                                   "with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
+    text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt)
     if max_model_len is not None:
         return tokenize_within(tokenizer, text, max_model_len, max_tokens,

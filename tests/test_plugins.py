@@ -32,7 +32,9 @@ BUILTIN_POLICIES = ["fcfs", "lpm", "priority"]
 BUILTIN_OPTIONS = {"lpm_fcfs_threshold", "lpm_max_wait",  # lpm; then the http frontend's
                    "host", "port", "api_key", "served_model_name", "max_request_body_bytes",
                    "max_prompts_per_request", "max_n_per_request", "allowed_origins",
-                   "shutdown_timeout", "metrics_vllm_names", "metrics_require_api_key"}
+                   "shutdown_timeout", "metrics_vllm_names", "metrics_require_api_key",
+                   "tool_call_parser", "enable_auto_tool_choice",
+                   "exclude_tools_when_tool_choice_none"}
 KNOWN_PROVIDES = {
     "fcfs": {"scheduling_policy": ["fcfs"]},
     "fp16": {"quant_method": ["fp16"]},
@@ -132,6 +134,15 @@ def register_structured_output_backends(register):
     register("fake_so", FakeStructuredBackend)
 
 
+class FakeToolParser:
+    pass
+
+
+@hookimpl
+def register_tool_parsers(register):
+    register("fake_tools", FakeToolParser)
+
+
 @hookimpl
 def register_config_options(register):
     register(LIFO_OPTION)
@@ -144,6 +155,7 @@ def full_plugin(name="test_plugin"):
         register_attention_backends=register_attention_backends,
         register_models=register_models, register_frontends=register_frontends,
         register_structured_output_backends=register_structured_output_backends,
+        register_tool_parsers=register_tool_parsers,
         register_config_options=register_config_options)
 
 
@@ -236,9 +248,10 @@ def test_register_plugin_and_look_its_components_up():
         "scheduling_policy": ["lifo"], "quant_method": ["fakeq"],
         "attention_backend": ["fake_attn"], "model": ["FakeForCausalLM"],
         "frontend": ["fake_frontend"], "config_option": ["lifo_depth"],
-        "structured_output_backend": ["fake_so"],
+        "structured_output_backend": ["fake_so"], "tool_parser": ["fake_tools"],
     }
     assert reg.structured_output_backend("fake_so") is FakeStructuredBackend
+    assert reg.tool_parser("fake_tools") is FakeToolParser
     assert reg.scheduling_policy("lifo") is LifoPolicy
     assert reg.quant_method("fakeq") is FakeQuant
     assert reg.attention_backend("fake_attn") is FakeBackend

@@ -57,6 +57,15 @@ OPTIONS = [
                  "off)", _parse_origins),
     ConfigOption("shutdown_timeout", 30.0, "seconds running requests get to finish on "
                  "SIGTERM before they are aborted", _parse_seconds),
+    ConfigOption("tool_call_parser", None, "the tool-call parser plugin that reads tool calls "
+                 "from the model's text for tool_choice 'auto' (built-ins: hermes, "
+                 "llama3_json; vLLM's --tool-call-parser)", _parse_optional_str),
+    ConfigOption("enable_auto_tool_choice", False, "accept tool_choice 'auto' (the default "
+                 "with tools), parsed by tool_call_parser (vLLM's --enable-auto-tool-choice)",
+                 parse_bool),
+    ConfigOption("exclude_tools_when_tool_choice_none", False, "with tool_choice 'none', do "
+                 "not render the tools in the chat template (default: rendered, as vLLM)",
+                 parse_bool),
     ConfigOption("metrics_vllm_names", False, "also serve /metrics under vLLM's names "
                  "(vllm:num_requests_waiting, ...) for dashboards and autoscalers built for "
                  "vllm serve", parse_bool),

@@ -13,9 +13,11 @@ from starlette.responses import JSONResponse, Response
 from pagebatch.request import CompletionOutput, RequestOutput
 
 from . import protocol as proto
-from . import schemas
+from . import schemas, tool_calls
 from .errors import as_api_error, error_response, new_id
 from .streams import EventStreamResponse, merge, sse, until_disconnected
+from .tool_calls import ToolCallStream
+from .tools import template_messages
 
 if TYPE_CHECKING:
     from .server import Server
@@ -38,6 +40,7 @@ class _ChoiceProgress:
     tokens: int = 0  # its token ids (log-prob rows)
     text_offset: int = 0  # the text_offset of its next log-prob token (completions)
     done: bool = False  # its finish_reason
+    calls: ToolCallStream | None = None  # what it sent through a tool-call parser (chat)
 
 
 class _Tracker:
@@ -233,10 +236,18 @@ class Completions:
             s.check_accepting()
             body = await s.read_json(request, schemas.ChatCompletionRequest)
             s.check_model_and_user(body)
-            messages, params, opts = proto.chat_request(body, s.settings.max_n_per_request,
-                                                         s.sampling_defaults)
+            messages, params, opts = proto.chat_request(
+                body, s.settings.max_n_per_request, s.sampling_defaults,
+                auto_tools=s.settings.enable_auto_tool_choice and s.tool_parser is not None,
+                exclude_tools_when_none=s.settings.exclude_tools_when_tool_choice_none)
+            tools = opts["tools"]
+            opts["tool_parser"] = tool_calls.output_parser(tools, s.tool_parser)
+            if opts["tool_parser"] is not None:
+                opts["tool_parser"].adjust_request(params)
             try:
-                prompt = await s.engine.chat_prompt(messages, params.max_tokens)
+                prompt = await s.engine.chat_prompt(
+                    template_messages(messages), params.max_tokens,
+                    tools.render if tools is not None else None)
             except proto.ApiError:
                 raise
             except Exception as e:  # template errors (jinja) are the messages' fault
@@ -261,10 +272,10 @@ class Completions:
         for c in out.outputs:
             lps = (proto.chat_logprobs(c.logprobs, opts["top_logprobs"], s.decode)
                    if c.logprobs is not None else None)
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lps, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            message, reason = tool_calls.chat_message(c.text, c.finish_reason, opts["tools"],
+                                                      opts["tool_parser"])
+            choices.append({"index": c.index, "message": message, "logprobs": lps,
+                            "finish_reason": reason, "stop_reason": c.stop_reason})
         n_gen = sum(len(c.token_ids) for c in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": s.model_name, "choices": choices,
@@ -277,6 +288,7 @@ class Completions:
         choices: dict[int, _ChoiceProgress] = {}  # by choice index, from its first output
         n_gen = 0
         tracker = _Tracker(s, 1)
+        parser = opts["tool_parser"]
 
         def chunk(choice: dict[str, Any]) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -304,12 +316,19 @@ class Completions:
                         continue
                     lps = (proto.chat_logprobs(positions, opts["top_logprobs"], s.decode)
                            if c.logprobs is not None else None)
-                    if c.finish_reason is not None:
+                    reason = c.finish_reason
+                    if reason is not None:
                         ch.done = True
                         n_gen += len(c.token_ids)
-                    yield chunk({"index": c.index, "delta": {"content": text} if text else {},
-                                 "logprobs": lps, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason})
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if parser is not None:  # the text goes through the tool-call parser
+                        calls = ch.calls
+                        if calls is None:
+                            calls = ch.calls = ToolCallStream(opts["tools"], parser)
+                        delta = calls.delta(c.text, final=reason is not None)
+                        reason = tool_calls.finish_reason(opts["tools"], reason, calls.called)
+                    yield chunk({"index": c.index, "delta": delta, "logprobs": lps,
+                                 "finish_reason": reason, "stop_reason": c.stop_reason})
             if opts["include_usage"]:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": s.model_name, "choices": [],

@@ -38,10 +38,15 @@ _COMPLETION = _obj({
         {"index": _INT, "text": _STR, "logprobs": _NULL_OBJ, "finish_reason": _FINISH,
          "stop_reason": _STOP_REASON}, ["index", "text", "finish_reason"])},
     "usage": _USAGE}, ["id", "object", "created", "model", "choices", "usage"])
+_TOOL_CALL = _obj({"id": _STR, "type": {"const": "function"},
+                   "function": _obj({"name": _STR, "arguments": _STR}, ["name", "arguments"])},
+                  ["id", "type", "function"])
 _CHAT = _obj({
     "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
     "choices": {"type": "array", "items": _obj(
-        {"index": _INT, "message": _obj({"role": {"const": "assistant"}, "content": _STR},
+        {"index": _INT, "message": _obj({"role": {"const": "assistant"},
+                                         "content": {"type": ["string", "null"]},
+                                         "tool_calls": {"type": "array", "items": _TOOL_CALL}},
                                         ["role", "content"]),
          "logprobs": _NULL_OBJ, "finish_reason": _FINISH, "stop_reason": _STOP_REASON},
         ["index", "message", "finish_reason"])},

@@ -13,12 +13,13 @@ from typing import Any
 from pagebatch.request import MAX_LOGPROBS, PositionLogprobs, SamplingParams
 
 from .structured import structured_outputs
+from .tools import tool_request
 
 # Fields OpenAI or vLLM define that pagebatch does not implement: a 400, never silence.
-UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                      "audio", "prediction", "web_search_options", "lora_request",
-                      "use_beam_search")
-UNSUPPORTED_COMPLETIONS = ("suffix",)
+UNSUPPORTED_COMMON = ("functions", "function_call", "audio", "prediction", "web_search_options",
+                      "lora_request", "use_beam_search")
+# (tools are a chat completions feature, in OpenAI's API and vLLM's)
+UNSUPPORTED_COMPLETIONS = ("suffix", "tools", "tool_choice", "parallel_tool_calls")
 
 
 class ApiError(Exception):
@@ -44,8 +45,11 @@ def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
         v = body.get(name)
         if v is None or v is False or v == [] or (name == "tool_choice" and v == "none"):
             continue
-        raise bad(f"{name!r} is not supported by pagebatch (no tool calling, beam search or "
-                  f"LoRA in this version); remove the field", name)
+        why = ("tool calling is in chat completions only" if name.startswith(("tool", "parallel"))
+               else "no legacy functions, audio, beam search or LoRA in this version; tools "
+                    "replace functions")
+        raise bad(f"{name!r} is not supported by pagebatch on this endpoint ({why}); remove "
+                  f"the field", name)
 
 
 def _int_keys(logit_bias: Any) -> dict[int, float] | None:
@@ -210,11 +214,15 @@ def _stream_opts(body: dict[str, Any]) -> dict[str, Any]:
     return dict(stream=stream, include_usage=include_usage)
 
 
-def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | None = None
+def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | None = None,
+                 auto_tools: bool = False, exclude_tools_when_none: bool = False
                  ) -> tuple[list[dict[str, Any]], SamplingParams, dict[str, Any]]:
     """Parse a /v1/chat/completions body. Returns the messages (content parts flattened to
     text), the sampling params (unset fields from ``defaults``, see `sampling_params`) and
-    options (stream, include_usage, priority, cache_salt, top_logprobs)."""
+    options (stream, include_usage, priority, cache_salt, top_logprobs, tools: a
+    `ToolRequest` or None; see tools.py, whose ``auto`` needs ``auto_tools``, a server with a
+    tool-call parser). ``required`` or a named tool_choice sets the params' constraint (with
+    another constraint: a 400 naming tool_choice)."""
     _check_unsupported(body, UNSUPPORTED_COMMON)
     if flag(body, "echo", False):
         raise bad("echo is not supported for chat completions", "echo")
@@ -237,7 +245,16 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
     params.structured_outputs = structured_outputs(body, chat=True)
-    opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, **_stream_opts(body))
+    tools = tool_request(body, auto_tools, exclude_tools_when_none)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise bad(f"tool_choice {body.get('tool_choice')!r:.100} and "
+                      f"{params.structured_outputs.origin} both constrain the output; give one",
+                      "tool_choice")
+        params.structured_outputs = forced
+    opts = dict(priority=priority, cache_salt=salt, top_logprobs=logprobs, tools=tools,
+                **_stream_opts(body))
     return messages, params, opts
 
 

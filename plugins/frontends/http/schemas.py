@@ -33,13 +33,65 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The call of an assistant message's tool call: ``arguments`` is JSON text (OpenAI's)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an assistant message made (sent back in the next turn)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation; other keys (``name``, ...) go to the chat template."""
+    """One message of a conversation; other keys (``name``, ...) go to the chat template. An
+    assistant message may carry ``tool_calls``; a ``tool`` message answers one by
+    ``tool_call_id``."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: ``parameters`` is a JSON schema of its arguments object (none: no
+    arguments); ``strict`` is accepted, enforcement is tool_choice's (docs/serving.md)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$",
+                      description="1 to 64 letters, digits, '_', '-' or '.'")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -98,6 +150,11 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     echo: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="'none', 'auto', 'required' or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}")
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -108,6 +165,7 @@ class TokenizeRequest(BaseModel):
     user: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
 
 

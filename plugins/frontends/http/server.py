@@ -32,9 +32,11 @@ from starlette.routing import Route
 
 import pagebatch
 from pagebatch import AsyncEngine, EngineConfig
-from pagebatch.errors import EngineDeadError
+from pagebatch.errors import ConfigError, EngineDeadError
 from pagebatch.prompt_length import tokenize_within
+from pagebatch.registry import registry
 from pagebatch.request import SamplingParams
+from pagebatch.tool_parser import ToolParser
 
 from . import protocol as proto
 from . import schemas
@@ -42,6 +44,7 @@ from .completions import Completions
 from .errors import as_api_error, error_response
 from .metrics import Metrics
 from .openapi import openapi_document
+from .tools import template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ class Settings:
     shutdown_timeout: float = 30.0
     metrics_vllm_names: bool = False
     metrics_require_api_key: bool = False
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Settings":
@@ -69,6 +75,12 @@ class Settings:
         s = cls(**opts)
         if s.api_key is None:
             s.api_key = os.environ.get("PAGEBATCH_API_KEY") or None
+        if s.tool_call_parser is not None:
+            registry().tool_parser(s.tool_call_parser)  # an unknown name: PluginError
+        if s.enable_auto_tool_choice and s.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs tool_call_parser (e.g. "
+                              "--tool-call-parser hermes); registered parsers: "
+                              f"{registry().names('tool_parser')}")
         return s
 
 
@@ -154,6 +166,11 @@ class Server:
         self.draining = False
         self.active: set[str] = set()  # engine request ids of running HTTP requests
         self._abort_task: asyncio.Task | None = None
+        # the tool-call parser of tool_choice 'auto'
+        self.tool_parser: ToolParser | None = None
+        if settings.tool_call_parser is not None:
+            cls = registry().tool_parser(settings.tool_call_parser)
+            self.tool_parser = cls(self.tokenizer)
         self.completions = Completions(self)
         self._openapi = openapi_document(bool(settings.api_key))
 
@@ -239,8 +256,9 @@ class Server:
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
             if "messages" in body:
-                msgs = proto._messages(body["messages"])
-                ids = (await self.engine.chat_prompt(msgs))["prompt_token_ids"]
+                msgs = template_messages(proto._messages(body["messages"]))
+                ids = (await self.engine.chat_prompt(msgs, None, body.get("tools")))[
+                    "prompt_token_ids"]
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
