@@ -259,18 +259,25 @@ class EngineCore:
         A request's own failure (its detokenizer, its stop check, a bad input) is the front
         half's and fails that request alone.
 
-        While a structured output request is in the engine, no step is scheduled while another
-        is in flight (no overlap): its bitmask needs every earlier token accepted by its
-        matcher (core/structured_output.py)."""
+        A structured output request's bitmask needs every earlier token accepted by its
+        matcher (core/structured_output.py). While one is in the engine and a step is in
+        flight, the next step's forward is launched first (`Executor.start_forward`), then the
+        oldest step's tokens are taken and accepted, then the bitmask is built and the new step
+        sampled with it: the host's matcher work overlaps the GPU's forward, as in vLLM's
+        async scheduling with structured outputs. An executor that cannot defer sampling runs
+        such steps one at a time."""
         outputs: list[EngineCoreOutput] = []
         queue = self._batch_queue
-        if len(queue) < self._max_in_flight and not (queue and self.structured.has_requests):
+        structured = self.structured.has_requests
+        defer = bool(queue) and structured and self.executor.supports_deferred_sampling
+        if len(queue) < self._max_in_flight and not (queue and structured and not defer):
             so = self.scheduler.schedule()
-            if self.structured.has_requests:
-                so.structured_output = self.structured.batch(
-                    [sr.request_id for sr in so.scheduled if sr.sample])
+            if structured and not defer:
+                so.structured_output = self._bitmask(so)
             self._mark_scheduled(so)
             outputs = self._drain_rejected()
+            if defer:
+                return outputs + self._step_deferred(so)
             try:  # an empty step still tells the runners which requests finished
                 handle = self.executor.execute_model(so)
             except EngineDeadError:
@@ -279,18 +286,49 @@ class EngineCore:
                 raise self._step_failed(so, e) from e
             if not so.is_empty:
                 queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
-                if len(queue) < self._max_in_flight and not self.structured.has_requests:
+                if len(queue) < self._max_in_flight and (
+                        not self.structured.has_requests
+                        or self.executor.supports_deferred_sampling):
                     return outputs
         if not queue:
             return outputs
-        step = queue.popleft()
+        return outputs + self._finish_oldest()
+
+    def _bitmask(self, so: SchedulerOutput):
+        return self.structured.batch([sr.request_id for sr in so.scheduled if sr.sample])
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        step = self._batch_queue.popleft()
         try:
             result = step.handle.result()
         except EngineDeadError:
             raise
         except Exception as e:
             raise self._step_failed(step.so, e) from e
-        return outputs + self._update(step, result)
+        return self._update(step, result)
+
+    def _step_deferred(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Step ``so`` with a structured output request in the engine and a step in flight:
+        its forward, then the oldest step's outputs (its tokens accepted by the matchers), then
+        ``so``'s bitmask and sampling."""
+        snapshot = self._sampling_snapshot(so)
+        try:
+            pending = self.executor.start_forward(so)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise self._step_failed(so, e) from e
+        outputs = self._finish_oldest()
+        so.structured_output = self._bitmask(so)  # finished requests have no matcher now
+        try:
+            handle = pending.finish(so.structured_output)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            raise self._step_failed(so, e) from e
+        if not so.is_empty:
+            self._batch_queue.append(_InFlight(handle, so, snapshot))
+        return outputs
 
     def _mark_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()

@@ -17,9 +17,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from .config import EngineConfig
-from .model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from .model_runner import LaunchedStep, ModelRunner, PendingStep, RunnerOutput
 from .model_setup import ModelSetup
 from .scheduler import SchedulerOutput
+from .structured_output import StructuredOutputBatch
 
 
 class StepHandle(ABC):
@@ -64,6 +65,25 @@ class Executor(ABC):
     def execute_model(self, so: SchedulerOutput) -> StepHandle:
         """Start step ``so`` (steps run in the order they are started)."""
 
+    # `start_forward` is implemented: the engine core may launch a step's forward before the
+    # structured output bitmask of its constrained rows exists (it needs the previous step's
+    # tokens), and give the bitmask when they are in (`PendingForward.finish`)
+    supports_deferred_sampling: bool = False
+
+    def start_forward(self, so: SchedulerOutput) -> "PendingForward":
+        """Launch step ``so``'s forward only; ``so.structured_output`` is not read (the
+        returned `PendingForward` takes it). Only where `supports_deferred_sampling`."""
+        raise NotImplementedError(f"{type(self).__name__} samples with the forward")
+
+
+class PendingForward(ABC):
+    """A step whose forward runs and whose sampling waits for its bitmask."""
+
+    @abstractmethod
+    def finish(self, structured: "StructuredOutputBatch | None") -> StepHandle:
+        """Sample the step with ``structured`` (its constrained rows' bitmask, or None) and
+        return its handle."""
+
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can no longer run steps."""
 
@@ -106,6 +126,22 @@ class UniprocExecutor(Executor):
         if self.async_decode:
             return _LaunchedStepHandle(self.driver_runner, self.driver_runner.execute_async(so))
         return DoneStep(self.driver_runner.execute(so))
+
+    @property
+    def supports_deferred_sampling(self) -> bool:  # with two steps in flight
+        return self.async_decode
+
+    def start_forward(self, so: SchedulerOutput) -> PendingForward:
+        return _UniprocPending(self.driver_runner, self.driver_runner.launch_forward(so))
+
+
+class _UniprocPending(PendingForward):
+    def __init__(self, runner: ModelRunner, pending: PendingStep) -> None:
+        self._runner, self._pending = runner, pending
+
+    def finish(self, structured: StructuredOutputBatch | None) -> StepHandle:
+        return _LaunchedStepHandle(self._runner, self._runner.finish_step(self._pending,
+                                                                          structured))
 
 
 def async_scheduling(config: EngineConfig, setup: ModelSetup) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from .sampler import Sampler, apply_token_bitmask
 from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
 from .step_warmup import warm_up_step_variants
+from .structured_output import StructuredOutputBatch
 from .step_results import LaunchedStep, RunnerOutput, collect, prompt_logprobs, start_copy_back
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,20 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 2**30
 
 __all__ = ["ModelRunner", "RunnerOutput"]
+
+
+@dataclass
+class PendingStep:
+    """A step whose forward is launched and not yet sampled (`ModelRunner.launch_forward`):
+    its prepared inputs, their device views, the hidden states [T, hidden] (a CUDA graph's
+    static output when ``graph`` is its bucket). ``inp`` None: nothing to sample (an empty step,
+    or a pipeline stage before the last)."""
+
+    inp: Any
+    views: dict[str, torch.Tensor] | None = None
+    sampling_views: dict[str, torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None
+    graph: int | None = None
 
 
 class ModelRunner:
@@ -336,7 +353,6 @@ class ModelRunner:
         """Run one step and wait for its results (`execute_async` then `collect`)."""
         return self.collect(self.execute_async(so))
 
-    @torch.inference_mode()
     def execute_async(self, so: SchedulerOutput, copy_back: bool = True) -> LaunchedStep:
         """Launch one step: the sampled token of every request with ``sample``, and log-probs
         for the requests that asked for them (of the sampled token; of the prompt positions
@@ -346,9 +362,18 @@ class ModelRunner:
         PLACEHOLDER_TOKEN are taken on the device from this call's previous step's samples. A
         decode-only step replays a CUDA graph when they are captured. ``copy_back=False``: a
         rank whose results nobody reads (tensor/pipeline parallel workers) skips the copy."""
+        return self.finish_step(self.launch_forward(so), so.structured_output, copy_back)
+
+    @torch.inference_mode()
+    def launch_forward(self, so: SchedulerOutput) -> "PendingStep":
+        """The first half of `execute_async`: the step's inputs and its forward pass launched,
+        nothing sampled yet (`finish_step` samples). Between the two the caller may wait for the
+        previous step's tokens and build this step's structured output bitmask from them: the
+        forward then runs on the GPU meanwhile (the engine core's overlap of constrained
+        steps, core/engine_core.py)."""
         if so.is_empty:
             self.input_batch.retire(so)  # an empty step can still preempt (prepare does it else)
-            return LaunchedStep([])
+            return PendingStep(None)
         inp = self.input_batch.prepare(so, self._graph_bucket, self._last_rows)
         dev, dev_s = self.input_batch.copy_to(self._step_buf, inp)
         v = inp.layout.views(dev)
@@ -365,7 +390,7 @@ class ModelRunner:
         if graph is not None:
             hidden = self._replay(graph)
             if hidden is None:  # a pipeline stage before the last sent its output on
-                return LaunchedStep([])
+                return PendingStep(None)
         else:
             meta = AttentionMetadata(
                 slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
@@ -374,7 +399,17 @@ class ModelRunner:
                 query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens)
             hidden = self.model(v["input_ids"], v["positions"], self.kv_caches, meta)
             if hidden is None:  # a pipeline stage before the last sent its output on
-                return LaunchedStep([])
+                return PendingStep(None)
+        return PendingStep(inp, v, s, hidden, graph)
+
+    @torch.inference_mode()
+    def finish_step(self, p: "PendingStep", structured: StructuredOutputBatch | None = None,
+                    copy_back: bool = True) -> LaunchedStep:
+        """The second half of `execute_async`: sample a launched forward (``structured``: the
+        bitmask of its constrained rows, or None) and start the copy back."""
+        if p.inp is None:
+            return LaunchedStep([])
+        inp, v, s, hidden, graph = p.inp, p.views, p.sampling_views, p.hidden, p.graph
         prompt_jobs = inp.prompt_jobs
         prompt_lp = (prompt_logprobs(self.model.compute_logits, hidden, prompt_jobs,
                                      s["plp_rows"], s["plp_targets"]) if prompt_jobs else None)
@@ -384,8 +419,8 @@ class ModelRunner:
             n = len(sample_ids)
             h = hidden[:n] if graph is not None else hidden[v["logits_rows"][:n]]
             logits = self.model.compute_logits(h)
-            if so.structured_output is not None:  # constrained rows: forbidden tokens -inf
-                logits = apply_token_bitmask(logits, so.structured_output, sample_ids)
+            if structured is not None:  # constrained rows: forbidden tokens -inf
+                logits = apply_token_bitmask(logits, structured, sample_ids)
             out = self.sampler(logits, sampling_batch(s, inp.flags, self.penalties))
             if inp.flags.has_penalties:
                 self.penalties.update(s["penalty_slots"], out.token_ids)

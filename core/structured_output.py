@@ -19,10 +19,13 @@ that failed. A request's constraint is parsed once (`StructuredOutputsParams.con
 memoized, travels with the params to the core's process) and compiled once per distinct one.
 
 Overlap (async scheduling): a step's bitmask needs every earlier token of its requests accepted
-by their matchers, so this slice schedules no step while another is in flight when a
-constrained request is in the engine (those steps run without overlap; see
-`EngineCore.step`). vLLM overlaps by filling the bitmask for step N+1 while step N runs, with
-the matcher advanced speculatively; that is future work here.
+by their matchers. With a step in flight, the engine core launches the next step's forward
+first (`Executor.start_forward`), then takes the step in flight's tokens and advances the
+matchers, then fills the new step's bitmask and samples it (`PendingForward.finish`): the
+host's matcher and bitmask work runs while the GPU runs the forward (as vLLM's async
+scheduling with structured outputs does: its model runner samples after the grammar bitmask
+arrives). Executors that cannot defer sampling (tensor / pipeline parallel) run constrained
+steps one at a time (`EngineCore.step`).
 """
 
 from __future__ import annotations

@@ -141,6 +141,41 @@ def test_no_token_can_start_the_constraint(tiny_model_dir):
     assert "no token can continue it" in outs[1].error
 
 
+def test_async_scheduling_overlaps_constrained_steps_and_gives_the_same_tokens(tiny_model_dir):
+    """With async scheduling a constrained step's forward is launched before the step in
+    flight is done (`Executor.start_forward`), its bitmask built after that step's tokens are
+    accepted: every output equals the one-step-at-a-time run's, constrained or not, greedy or
+    seeded, finishing by the constraint or by max_tokens while the others go on."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(
+            regex=r"(w[0-9]+){1,6}")),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=9, structured_outputs=SO(
+            choice=["w3w4", "w5", "w6w7w8"])),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=5, structured_outputs=SO(
+            regex=r"(w1[0-9]*)+")),
+    ]
+    prompts = ["w5 w6", "w7 w8 w9", "w2", "w4 w4", "w9 w1 w3"]
+    runs = {}
+    for async_ in (False, True):
+        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=128,
+                  block_size=4, max_model_len=64, async_scheduling=async_)
+        ex = llm.engine.core.executor
+        assert ex.supports_deferred_sampling is async_
+        calls = []
+        if async_:
+            start = ex.start_forward
+            ex.start_forward = lambda so: calls.append(so) or start(so)
+        outs = _gen(llm, prompts, params)
+        runs[async_] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        if async_:
+            assert len(calls) >= 5  # deferred steps while constrained requests run
+        assert not llm.engine.core.structured.has_requests
+    assert runs[True] == runs[False]
+    assert {r[1] for r in runs[False]} == {"stop", "length"}
+
+
 # ---- HTTP ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
