@@ -156,6 +156,9 @@ class EngineConfig:
                       "Model name (smollm2-135m), Hugging Face folder, or .gguf file.")
     tokenizer: str | None = _opt("tokenizer", None,
                                  "Tokenizer folder; default: the model's.", _optional(str))
+    chat_template: str | None = _opt(
+        "chat_template", None, "Jinja chat template replacing the tokenizer's: a file path, or "
+        "the template text (vLLM's --chat-template).", _optional(str))
     device: str = _opt("device", "auto", "cpu, cuda, or auto (cuda when available).",
                        _choice(DEVICES), choices=DEVICES)
     dtype: str = _opt("dtype", "auto",

@@ -26,7 +26,7 @@ from .registry import Registry, registry as default_registry
 from .output import RequestState, SampleState
 from .prompt_length import tokenize_within
 from .request import FinishReason, RequestOutput, SamplingParams
-from .tokenizer import chat_prompt_ids, load_tokenizer
+from .tokenizer import chat_prompt_ids, load_tokenizer, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,15 @@ class LLMEngine:
         name = self.config.tokenizer
         folder = resolve_model(name).folder if name else self.source.folder
         try:
-            return load_tokenizer(folder)
+            tok = load_tokenizer(folder)
         except ModelNotFoundError:
             if name or self.config.load_format != "dummy":
                 raise
             logger.warning("no tokenizer in %s: only prompt_token_ids prompts work", folder)
             return None
+        if self.config.chat_template:  # the configured template replaces the tokenizer's
+            tok.chat_template = read_chat_template(self.config.chat_template)
+        return tok
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -195,16 +198,19 @@ class LLMEngine:
                                   f"got {type(prompt).__name__}")
 
     def chat_prompt(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> dict[str, Any]:
         """``{"prompt_token_ids": [...]}`` of ``messages`` (and ``tools``, OpenAI tool objects)
-        through the chat template; text that cannot fit max_model_len with ``max_tokens`` is
+        through the chat template (``chat_template``: a template text instead of the
+        tokenizer's); text that cannot fit max_model_len with ``max_tokens`` is
         refused early (as `tokenize_text`). Touches no engine state (`AsyncEngine` calls it on
         a worker thread)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer (dummy weights)")
         return {"prompt_token_ids": chat_prompt_ids(self.tokenizer, messages,
                                                     max_model_len=self.max_model_len,
-                                                    max_tokens=max_tokens, tools=tools)}
+                                                    max_tokens=max_tokens, tools=tools,
+                                                    chat_template=chat_template)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:

@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .engine import LLMEngine, PromptType
 from .errors import InvalidRequestError
 from .request import RequestOutput, SamplingParams
+from .tokenizer import read_chat_template
 
 
 class LLM:
@@ -71,11 +72,18 @@ class LLM:
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
-        model's chat template."""
+        model's chat template (vLLM's ``LLM.chat``). ``tools``: OpenAI tool objects the template
+        renders; ``chat_template``: a template file path or text used instead (the engine key
+        of the same name sets it for every call). Tool calls in the output are text here: the
+        HTTP server's parser turns them into ``tool_calls`` (docs/serving.md)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.chat_prompt(c) for c in convs]
+        template = read_chat_template(chat_template) if chat_template else None
+        prompts = [self.engine.chat_prompt(c, tools=tools, chat_template=template)
+                   for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:

@@ -19,15 +19,30 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ModelNotFoundError(f"cannot load a tokenizer from {str(path)!r}: {e}") from None
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the template text itself (text with a Jinja
+    ``{{`` or ``{%``). Raises ConfigError naming the value otherwise."""
+    from .errors import ConfigError
+
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"chat_template={value!r} is neither a file nor a Jinja template "
+                          f"(no '{{{{' or '{{%' in it)")
+    return path.read_text()
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True, max_model_len: int | None = None,
                     max_tokens: int | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template.
 
     ``tools``: OpenAI tool objects (``{"type": "function", "function": {...}}``) the template
     renders (transformers' ``apply_chat_template(tools=...)``; a template that ignores tools
-    ignores them).
+    ignores them). ``chat_template``: a template text used instead of the tokenizer's.
 
     The template text already holds any BOS, so it is tokenized without adding special tokens
     (one BOS, not two). Raises InvalidRequestError for malformed messages or no template; with
@@ -38,11 +53,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
             isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} "
                                   f"dicts, got {messages!r:.200}")
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; use generate "
-                                  "with a plain prompt")
+                                  "with a plain prompt, or give chat_template")
     text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
     if max_model_len is not None:
         return tokenize_within(tokenizer, text, max_model_len, max_tokens,
                                add_special_tokens=False, what="the chat prompt")
