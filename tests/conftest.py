@@ -116,17 +116,14 @@ def base(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def http(base):
-    import httpx
-    from http_helpers import KEY
+    from http_helpers import keyed_http
 
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as c:
+    with keyed_http(base) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(base):
-    import openai
-    from http_helpers import KEY
+    from http_helpers import keyed_openai
 
-    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return keyed_openai(base)

@@ -78,6 +78,23 @@ def tiny_server(model_dir: Any, keys: dict[str, Any] | None = None,
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def keyed_http(url: str, timeout: float = 60) -> Iterator[Any]:
+    """An httpx client of the server at ``url`` with the test API key."""
+    import httpx
+
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=timeout) as c:
+        yield c
+
+
+def keyed_openai(url: str, timeout: float = 60) -> Any:
+    """The openai SDK's client of the server at ``url`` with the test API key, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=timeout)
+
+
 def events(text: str) -> list:
     """The data lines of an SSE body, parsed; the last must be [DONE]."""
     parts = [p for p in text.split("\n\n") if p]

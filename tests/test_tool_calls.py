@@ -19,7 +19,7 @@ from typing import Literal
 import jsonschema
 import pytest
 
-from http_helpers import KEY, events
+from http_helpers import KEY, events, keyed_http, keyed_openai
 from pagebatch.errors import SamplingParamsError
 from pagebatch.plugins.frontends.http.tool_calls import (NamedParser, RequiredParser,
                                                          ToolCallStream, chat_message)
@@ -232,18 +232,13 @@ def tool_base(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def tool_http(tool_base):
-    import httpx
-
-    with httpx.Client(base_url=tool_base, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=120) as c:
+    with keyed_http(tool_base, timeout=120) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def tool_client(tool_base):
-    import openai
-
-    return openai.OpenAI(base_url=tool_base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return keyed_openai(tool_base, timeout=120)
 
 
 def _chat(http, **body):
