@@ -319,8 +319,8 @@ class EngineCore:
         except Exception as e:
             raise self._step_failed(so, e) from e
         outputs = self._finish_oldest()
-        so.structured_output = self._bitmask(so)  # finished requests have no matcher now
         try:
+            so.structured_output = self._bitmask(so)  # finished requests have no matcher now
             handle = pending.finish(so.structured_output)
         except EngineDeadError:
             raise

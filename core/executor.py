@@ -75,21 +75,21 @@ class Executor(ABC):
         returned `PendingForward` takes it). Only where `supports_deferred_sampling`."""
         raise NotImplementedError(f"{type(self).__name__} samples with the forward")
 
-
-class PendingForward(ABC):
-    """A step whose forward runs and whose sampling waits for its bitmask."""
-
-    @abstractmethod
-    def finish(self, structured: "StructuredOutputBatch | None") -> StepHandle:
-        """Sample the step with ``structured`` (its constrained rows' bitmask, or None) and
-        return its handle."""
-
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can no longer run steps."""
 
     def shutdown(self) -> None:
         """Stop workers and free the KV cache; idempotent."""
         self.driver_runner.kv_caches = []
+
+
+class PendingForward(ABC):
+    """A step whose forward runs and whose sampling waits for its bitmask."""
+
+    @abstractmethod
+    def finish(self, structured: StructuredOutputBatch | None) -> StepHandle:
+        """Sample the step with ``structured`` (its constrained rows' bitmask, or None) and
+        return its handle."""
 
 
 class _LaunchedStepHandle(StepHandle):

@@ -268,7 +268,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.parallel.pp_size == 1:  # core/step_warmup.py
             warm_up_step_variants(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                                   self.block_size, self.max_model_len,
-                                  self.max_num_batched_tokens, self.device)
+                                  self.max_num_batched_tokens, self.device,
+                                  self.config.max_num_seqs)
         if self.use_cuda_graphs:
             if self._stage_io:  # a pipeline stage: the graph holds its layers, not the comms
                 self._pp_in = None if self.parallel.is_first_stage else torch.zeros(

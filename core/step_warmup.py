@@ -15,8 +15,8 @@ Decode-only steps are covered by the CUDA-graph capture (core/cuda_graphs.py).
 
 The batches: the query-length buckets (2, 3, 5, 9, ... 257 new tokens: the shortest query of
 each BLOCK_M bucket of any GQA group, and past a 128-row tile) as prefills alone and beside a
-decode, and after each context length 256 * 2^i up to max_model_len (every power-of-two split
-count of a decode or of a chunk after a long context) in the compositions of
+decode, and after contexts of 256, 256 * 2^k - 1 and max_model_len tokens (every power-of-two
+split count of a decode or of a chunk after a long context) in the compositions of
 `warmup_batches`. tests/test_step_warmup.py checks that these reach every launch choice of
 random mixed batches. Each batch's tokens skip the KV write (slot PAD_SLOT) and read block 0
 (the outputs are discarded).
@@ -41,31 +41,37 @@ MANY = 64  # requests of the largest batches
 FIRST_SPLIT_CONTEXT = 256  # the triton backend's MIN_TOKENS_PER_SPLIT: a context per split
 
 
-def warmup_batches(max_model_len: int, max_num_batched_tokens: int) -> list[list[tuple[int, int]]]:
+def warmup_batches(max_model_len: int, max_num_batched_tokens: int,
+                   max_num_seqs: int = MANY) -> list[list[tuple[int, int]]]:
     """The synthetic batches, each a list of requests ``(new_tokens, context_len)`` (context
-    includes the new tokens), within ``max_model_len`` and ``max_num_batched_tokens``: for
-    each query bucket q, q new tokens alone and beside a decode; then for each context c of
-    256 * 2^i <= max_model_len and each q <= c, a chunk of q after context c alone, beside a
+    includes the new tokens), within ``max_model_len``, ``max_num_batched_tokens`` and
+    ``max_num_seqs`` requests: for
+    each query bucket q, q new tokens alone and beside a decode; then for each context c (256,
+    256 * 2^k - 1 and max_model_len) and each q <= c, a chunk of q after context c alone, beside a
     decode of context c, between two such decodes, and before a decode and a 2-token chunk
     (the kernel's KIND of each part differs: triton_backend.py `paged_attention`), and, where
     c > 4q (the chunk takes the paged kernel), with and without a decode, before up to
     MANY - 2 chunks of 2 tokens (programs enough that no split is needed)."""
     queries = [q for q in QUERY_BUCKETS if q + 1 <= max_num_batched_tokens and q <= max_model_len]
-    contexts = [FIRST_SPLIT_CONTEXT << i for i in range(32)
-                if FIRST_SPLIT_CONTEXT << i <= max_model_len] or [max_model_len]
+    # 256, then the longest context of each power-of-two split count (2^k * 256 - 1), and
+    # max_model_len: every split count, each with the longest chunk-free stretch before it
+    contexts = sorted({min(FIRST_SPLIT_CONTEXT, max_model_len), max_model_len} | {
+        (FIRST_SPLIT_CONTEXT << k) - 1 for k in range(1, 32)
+        if (FIRST_SPLIT_CONTEXT << k) - 1 <= max_model_len})
     batches: list[list[tuple[int, int]]] = []
     for q in queries:
         batches += [[(q, q)], [(1, contexts[0]), (q, q)]]
     for c in contexts:
         for q in (q for q in queries if q <= c):
             # alone; the decodes apart (KIND 0); decodes around it (1); a decode among chunks (2)
-            batches += [[(q, c)], [(1, c), (q, c)], [(1, c), (q, c), (1, c)]]
-            if q + 3 <= max_num_batched_tokens:
-                batches.append([(q, c), (1, c), (2, c)])
-            many = min(MANY - 2, (max_num_batched_tokens - q - 1) // 2)
+            batches += [[(q, c)], [(1, c), (q, c)], [(1, c), (q, c), (1, c)],
+                        [(q, c), (1, c), (2, c)]]
+            many = min(MANY, max_num_seqs) - 2
+            many = min(many, (max_num_batched_tokens - q - 1) // 2)
             if c > 4 * q and many > 0:  # enough programs that the paged kernel needs no split
                 batches += [[(q, c), (1, c)] + [(2, c)] * many, [(q, c)] + [(2, c)] * many]
-    return batches
+    return [b for b in batches if len(b) <= max_num_seqs
+            and sum(q for q, _ in b) <= max_num_batched_tokens]
 
 
 def batch_metadata(reqs: list[tuple[int, int]], block_size: int,
@@ -92,11 +98,11 @@ def batch_metadata(reqs: list[tuple[int, int]], block_size: int,
 @torch.inference_mode()
 def warm_up_step_variants(forward: Callable[..., torch.Tensor], block_size: int,
                           max_model_len: int, max_num_batched_tokens: int,
-                          device: torch.device) -> None:
+                          device: torch.device, max_num_seqs: int = MANY) -> None:
     """Run ``forward(ids, positions, metadata)`` (the model over the KV caches) on every batch
     of `warmup_batches`; logs the time taken."""
     start = time.perf_counter()
-    batches = warmup_batches(max_model_len, max_num_batched_tokens)
+    batches = warmup_batches(max_model_len, max_num_batched_tokens, max_num_seqs)
     for reqs in batches:
         ids, pos, meta = batch_metadata(reqs, block_size, device)
         forward(ids, pos, meta)

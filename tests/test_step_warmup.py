@@ -43,9 +43,9 @@ def launch_choices(reqs, hq, hkv, d, dtype=torch.bfloat16):
     return out
 
 
-def random_batch(rng, max_model_len, budget):
+def random_batch(rng, max_model_len, budget, max_seqs):
     reqs, used = [], 0
-    for _ in range(rng.randint(1, 40)):
+    for _ in range(rng.randint(1, min(40, max_seqs))):
         q = 1 if rng.random() < 0.6 else rng.randint(2, min(budget, 2048))
         if used + q > budget:
             break
@@ -56,9 +56,10 @@ def random_batch(rng, max_model_len, budget):
 
 
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
-@pytest.mark.parametrize("max_model_len,budget", [(4096, 16384), (32768, 8192), (2048, 512)])
+@pytest.mark.parametrize("max_model_len,budget,seqs", [(4096, 16384, 256), (32768, 8192, 64),
+                                                      (2048, 512, 8)])
 def test_warmup_reaches_every_launch_choice_of_random_batches(hq, hkv, d, max_model_len, budget,
-                                                              monkeypatch):
+                                                              seqs, monkeypatch):
     from pagebatch.plugins.attention import triton_backend as tb
     from pagebatch.plugins.attention import prefill
 
@@ -67,13 +68,13 @@ def test_warmup_reaches_every_launch_choice_of_random_batches(hq, hkv, d, max_mo
     monkeypatch.setattr(prefill, "_hopper", lambda index: True)
     monkeypatch.setattr(prefill, "_index", lambda device: 0)
     warm = set()
-    for reqs in warmup_batches(max_model_len, budget):
-        assert sum(q for q, _ in reqs) <= budget and all(q <= c <= max_model_len
-                                                         for q, c in reqs)
+    for reqs in warmup_batches(max_model_len, budget, seqs):
+        assert sum(q for q, _ in reqs) <= budget and len(reqs) <= seqs
+        assert all(q <= c <= max_model_len for q, c in reqs)
         warm |= launch_choices(reqs, hq, hkv, d)
     rng = random.Random(hq * 1000 + hkv * 10 + d + max_model_len)
     for _ in range(150):
-        reqs = random_batch(rng, max_model_len, budget)
+        reqs = random_batch(rng, max_model_len, budget, seqs)
         missing = launch_choices(reqs, hq, hkv, d) - warm
         assert not missing, (reqs, missing)
 

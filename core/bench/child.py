@@ -22,8 +22,9 @@ def run_adapter(module: str, job: dict[str, Any]) -> dict[str, Any] | int:
         print(proc.stderr[-4000:], file=sys.stderr)
         return proc.returncode
     for line in reversed(proc.stdout.splitlines()):  # engines log to stdout too (vLLM does)
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
+        at = line.rfind(RESULT_MARK)  # (after a log line's text without its newline, too)
+        if at >= 0:
+            return json.loads(line[at + len(RESULT_MARK):])
     print(f"{module} printed no result line:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}",
           file=sys.stderr)
     return 1

@@ -24,7 +24,7 @@ def _rotate_heads(x_ptr, out_ptr, t, stride_t, stride_h, stride_ot, cos, sin, nu
     tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # a view of the step buffer
 def _rotary_kernel(pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
                    num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_qot, stride_kot, HALF: tl.constexpr, HALF_PAD: tl.constexpr,

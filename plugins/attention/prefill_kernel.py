@@ -27,7 +27,7 @@ import triton.language as tl
 
 from pagebatch.kernels import pdl
 
-from .triton_kernels import _attend_tiles, _find_seq, _rope, _softmax_update
+from .triton_kernels import STEP_VIEWS, _attend_tiles, _find_seq, _rope, _softmax_update
 
 
 @triton.jit
@@ -75,7 +75,8 @@ def _chunk_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "num_tokens", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "num_tokens", "stride_bt"],
+            do_not_specialize_on_alignment=STEP_VIEWS)
 def prefill_attention_kernel(
     out_ptr, q_ptr, k_src, v_src, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, pos_ptr, cos_sin_ptr,

@@ -65,7 +65,8 @@ def choose_config(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_le
     """Tiles for a batch: 16-row tiles when every request has few new tokens (decodes), up to
     128 rows for prefill chunks; split-KV when the batch's programs alone cannot fill the GPU
     twice over and contexts are long enough to give each split MIN_TOKENS_PER_SPLIT keys, in a
-    power-of-two count (1, 2, 4, ... MAX_SPLITS: few compiled variants, see `warm_up`)."""
+    power-of-two count (1, 2, 4, ... MAX_SPLITS: few compiled variants, all compiled at
+    start-up: core/step_warmup.py)."""
     d_pad = max(_next_pow2(head_dim), 16)
     big = d_pad > 128 or dtype == torch.float32
     block_m = min(max(_next_pow2(max_query_len * group), 16), 64 if big else 128)

@@ -43,6 +43,12 @@ import triton.language as tl
 
 from pagebatch.kernels import pdl
 
+# Pointer arguments that are views of the step's packed int32 buffer (core/step_layout.py) or
+# slices of them (a batch part's requests): their 16-byte alignment changes with the batch's
+# token and request counts, and Triton would compile a variant per alignment pattern in the
+# middle of serving; they are read a scalar at a time, so alignment buys nothing.
+STEP_VIEWS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "pos_ptr"]
+
 
 @triton.jit
 def _rope(x, x_ptrs, d, pos, cos_sin_ptr, mask, HEAD_DIM: tl.constexpr):
@@ -60,7 +66,7 @@ def _rope(x, x_ptrs, d, pos, cos_sin_ptr, mask, HEAD_DIM: tl.constexpr):
     return tl.where(first, xf * cos - pf * sin, xf * cos + pf * sin).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr", "pos_ptr"])  # STEP_VIEWS
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, pos_ptr, cos_sin_ptr,
     stride_kt, stride_vt, k_scale, v_scale,
@@ -181,7 +187,8 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "tok0", "stride_bt"],
+            do_not_specialize_on_alignment=STEP_VIEWS)
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, pos_ptr, cos_sin_ptr,
