@@ -80,7 +80,8 @@ def register_tool_parsers(register):
     """Register tool-call parsers: ``register(name, cls)``.
 
     ``cls(tokenizer)`` must implement ``pagebatch.tool_parser.ToolParser``: turn a model's text
-    (whole, or a prefix while streaming) into OpenAI tool calls and the content around them.
+    (whole, or a prefix while streaming) into OpenAI tool calls and the content around them;
+    ``reader(tools)`` gives the per-choice reader the server streams and answers through.
     Selected by the HTTP server's ``tool_call_parser: NAME`` (built-ins ``hermes``,
     ``llama3_json``); used for requests with ``tool_choice: auto``.
     """

@@ -19,14 +19,20 @@ from typing import Literal
 import jsonschema
 import pytest
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from http_helpers import KEY, events, keyed_http, keyed_openai
 from pagebatch.errors import SamplingParamsError
 from pagebatch.plugins.frontends.http.tool_calls import (NamedParser, RequiredParser,
-                                                         ToolCallStream, chat_message)
+                                                         ToolCallStream, chat_message,
+                                                         finish_reason)
 from pagebatch.plugins.frontends.http.tools import (ToolRequest, required_schema,
                                                     template_messages, tool_request)
 from pagebatch.registry import registry
-from pagebatch.tool_parser import ToolCall, ToolCallParse, json_value_end, scan_object
+from pagebatch.tool_parser import (ReparseReader, ToolCall, ToolCallParse, ValueScanner,
+                                   json_value_end, scan_object)
+from tool_helpers import characters_read
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -111,10 +117,12 @@ def test_json_extents():
     assert not scan_object('{"a" 1}', 0).ok and not scan_object('[1]', 0).ok
 
 
-def _stream(p, text, cuts, req=None):
-    """``text`` fed to a ToolCallStream in the pieces ``cuts`` gives; the deltas joined back:
-    (content, [(name, arguments)]), checking each call's first delta has its id and name."""
-    st = ToolCallStream(req or ToolRequest(TOOLS, "auto", None, True, TOOLS), p)
+def _stream_answer(p, text, cuts, req=None):
+    """``text`` fed to a ToolCallStream in the pieces ``cuts`` gives (the last one final); the
+    deltas joined back: (content, [(name, arguments)], finish reason for a model that stopped),
+    checking each call's first delta has its id and name."""
+    req = req or ToolRequest(TOOLS, "auto", None, True, TOOLS)
+    st = ToolCallStream(req, p)
     content, calls = "", []
     for k, end in enumerate(cuts):
         d = st.delta(text[:end], final=k == len(cuts) - 1)
@@ -125,7 +133,19 @@ def _stream(p, text, cuts, req=None):
                 calls.append([frag["function"]["name"], ""])
             assert "name" not in frag["function"] or frag["index"] == len(calls) - 1
             calls[frag["index"]][1] += frag["function"].get("arguments", "")
-    return content, [tuple(c) for c in calls]
+    return content, [tuple(c) for c in calls], finish_reason(req, "stop", st.called)
+
+
+def _stream(p, text, cuts, req=None):
+    return _stream_answer(p, text, cuts, req)[:2]
+
+
+def _one_body(p, text, req=None):
+    """The non-streamed answer of ``text`` in _stream_answer's form."""
+    req = req or ToolRequest(TOOLS, "auto", None, True, TOOLS)
+    message, reason = chat_message(text, "stop", req, p)
+    return (message["content"] or "", [(c["function"]["name"], c["function"]["arguments"])
+                                       for c in message.get("tool_calls", [])], reason)
 
 
 STREAM_CASES = [
@@ -172,6 +192,172 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     message, reason = chat_message(text, "stop", req, parser("hermes"))
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"]
     assert reason == "tool_calls" and message["content"] is None
+
+
+def test_a_streamed_call_is_never_taken_back():
+    """Review: hermes sent a call as soon as its JSON ended at the end of the text; text other
+    than </tool_call> after it (or a max_tokens cut) made the final parse content, so the stream
+    sent the call and then the raw block as content, with finish reason tool_calls. A call is
+    now held back until it is certain: closed, or the end of the final text."""
+    p = parser("hermes")
+    block = '<tool_call>{"name": "get_time", "arguments": {"utc": true}}'
+    for text in (block + " oops</tool_call>", block + "</tool_c", block[:-1], block + " x"):
+        cuts = range(1, len(text) + 1)
+        assert _stream_answer(p, text, cuts) == (text, [], "stop") == _one_body(p, text), text
+        assert p.parse(text[:len(block)], final=False) == ToolCallParse("")  # not yet certain
+    for text in (block, block + "\n", block + " </tool_call> after"):  # calls, at the end too
+        got = _stream_answer(p, text, range(1, len(text) + 1))
+        assert got == _one_body(p, text) and got[1] == [("get_time", '{"utc": true}')], text
+    # the whole call comes in one delta, once closed
+    st = ToolCallStream(ToolRequest(TOOLS, "auto", None, True, TOOLS), p)
+    assert st.delta(block + "</tool_call", False) == {}
+    (frag,) = st.delta(block + "</tool_call>", False)["tool_calls"]
+    assert frag["function"] == {"name": "get_time", "arguments": '{"utc": true}'}
+
+
+def test_llama3_json_a_call_must_name_one_of_the_tools():
+    """Review: any JSON output with a string "name" became a call with {} arguments. A name
+    that is not among the request's tools leaves the output content (vLLM's llama3_json asks
+    for name and parameters keys; its parser engine drops calls of undeclared names)."""
+    p = parser("llama3_json")
+    for text in ('{"name": "Bob", "age": 3}', '{"name": "nope", "parameters": {}}'):
+        assert _one_body(p, text) == (text, [], "stop") == _stream_answer(
+            p, text, range(1, len(text) + 1))
+    text = '{"name": "get_time", "parameters": {"utc": true}}; {"name": "nope"}'
+    want = ('{"name": "nope"}', [("get_time", '{"utc": true}')], "tool_calls")
+    assert _one_body(p, text) == want == _stream_answer(p, text, range(1, len(text) + 1))
+    assert p.parse('{"name": "Bob"}').calls == (ToolCall("Bob", "{}"),)  # no tools known
+
+
+# ---- the stream is the one-body answer, chunked anyhow (property test) ----------------------
+
+_JSON_TEXT = st.text(alphabet='ab "\\{}[]<>/:,;\n', max_size=6)
+_ARGS = st.dictionaries(st.sampled_from(["city", "days", "s"]), st.one_of(
+    st.integers(-5, 99), _JSON_TEXT, st.booleans(), st.lists(st.integers(0, 3), max_size=2)),
+    max_size=3).map(json.dumps)
+_NAMES = st.sampled_from(["get_weather", "get_time", "nope"])  # nope: not among TOOLS
+_WS = st.sampled_from(["", " ", "\n", "\n\n"])
+_CONTENT = st.one_of(st.text(alphabet="ab <>/{}[]\";:,\n\t_tolcapyhn|", max_size=10),
+                     st.sampled_from(["<tool_c", "</tool_call>", "<tool_call>", "<|python_tag|>",
+                                      "<tool_call>not json</tool_call>", "\u2003"]))
+
+
+@st.composite
+def _call_json(draw, key="arguments"):
+    """A call object, well-formed or, a third of the time, not a call."""
+    name, args = json.dumps(draw(_NAMES)), draw(_ARGS)
+    return draw(st.sampled_from([
+        f'{{"name": {name}, "{key}": {args}}}', f'{{"{key}": {args}, "name": {name}}}',
+        f'{{"name": {name}, "{key}": {args}}}', f'{{"name": {name}, "{key}": {args}}}',
+        f'{{"name": 3, "{key}": {args}}}', f'{{"name": {name}, "{key}": [1]}}',
+        f'{{"name": {name}, "{key}": {args}', f'{{"name": {name}, "{key}": {args}}}}}',
+        f'{{"name": {name}}}', '{"not_a_call": 1}']))
+
+
+@st.composite
+def _hermes_text(draw):
+    def block():
+        return (f"<tool_call>{draw(_WS)}{draw(_call_json())}{draw(_WS)}"
+                + draw(st.sampled_from(["</tool_call>"] * 3 + [" x</tool_call>", ""])))
+    return "".join(draw(_CONTENT) if draw(st.booleans()) else block()
+                   for _ in range(draw(st.integers(0, 4))))
+
+
+@st.composite
+def _llama3_text(draw):
+    if draw(st.integers(0, 4)) == 0:
+        return draw(_CONTENT)
+    calls = [draw(_call_json(draw(st.sampled_from(["parameters", "arguments"]))))
+             for _ in range(draw(st.integers(1, 3)))]
+    return (draw(_WS) + draw(st.sampled_from(["", "<|python_tag|>"])) + draw(_WS)
+            + draw(st.sampled_from(["; ", ";", " ; "])).join(calls)
+            + draw(st.sampled_from(["", "", ";", " and words", " {x"])))
+
+
+@st.composite
+def _required_text(draw):
+    if draw(st.integers(0, 5)) == 0:
+        return draw(_CONTENT)
+    calls = [draw(_call_json()) for _ in range(draw(st.integers(0, 3)))]
+    return "[" + draw(_WS) + ", ".join(calls) + draw(st.sampled_from(["]", "", ",]", "] x"]))
+
+
+_PARSERS = {"hermes": (lambda: parser("hermes"), _hermes_text()),
+            "llama3_json": (lambda: parser("llama3_json"), _llama3_text()),
+            "required": (RequiredParser, _required_text())}
+
+
+@pytest.mark.parametrize("name", list(_PARSERS))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_stream_is_the_one_body_answer(name, data):
+    """Texts of content, well-formed calls, malformed calls (to the tools or not), cut off
+    anywhere (max_tokens), streamed in pieces cut anywhere: the deltas join to the one-body
+    answer of the same text (calls, content, finish reason), with parallel calls or not."""
+    make, texts = _PARSERS[name]
+    text = data.draw(texts)
+    text = text[:data.draw(st.integers(0, len(text)))]  # cut short, or not
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(text))), max_size=12))))
+    cuts = [c for c in cuts if c < len(text)] + [len(text)]
+    req = ToolRequest(TOOLS, "auto", None, data.draw(st.booleans()), TOOLS)
+    p = make()
+    assert _stream_answer(p, text, cuts, req) == _one_body(p, text, req)
+    # parse on a prefix reports only what the whole text's parse has
+    final = p.parse(text)
+    for k in cuts[:-1]:
+        part = p.parse(text[:k], final=False)
+        assert final.calls[:len(part.calls)] == part.calls
+        assert (final.content or "").startswith(part.content)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet='{}[]"\\ab1,:', max_size=16), data=st.data())
+def test_the_value_scanner_ends_where_one_scan_does(text, data):
+    """ValueScanner fed a text in pieces finds the end one scan of the whole text finds."""
+    scanner = ValueScanner(0)
+    for k in sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))):
+        end = scanner.advance(text[:k])
+        assert end is None or end == json_value_end(text, 0)
+    assert scanner.advance(text) == json_value_end(text, 0)
+
+
+# ---- streaming work grows with the output, not its square ---------------------------------
+
+CODE = "def f(x):\n    return x * 2  # a line of code\n" * 300
+BIG_CALL = ('<tool_call>{"name": "get_time", "arguments": '  # the review's 14 KB write_file call
+            + json.dumps({"path": "a.py", "content": CODE}) + "}</tool_call>")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", BIG_CALL),
+    ("hermes", 'ok <tool_call>{"name": "get_time", "arguments": {"a": [1, "x"]}}</tool_call>\n'
+               * 200),
+    ("hermes", "plain words < and <tool and { } " * 400),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}} oops ' + "x" * 10_000 + "</tool_call>"),
+    ("llama3_json", "<|python_tag|>" + "; ".join(
+        ['{"name": "get_time", "parameters": {"a": "' + "y" * 50 + '"}}'] * 200)),
+    ("required", "[" + ", ".join(['{"name": "get_time", "arguments": {"content": '
+                                  + json.dumps(CODE[:2000]) + "}}"] * 7) + "]"),
+])
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_stream_reads_each_character_a_bounded_number_of_times(name, text, step):
+    """Review: each chunk re-parsed the whole text so far (a 14 KB call: 3,547 chunks, 3.9 s of
+    event-loop time). A reader keeps its place: over a stream it looks at a few characters
+    per character of output plus a few per read (counted with a test double, not timed);
+    re-parsing the whole text each time, as before, looks at thousands."""
+    p = RequiredParser() if name == "required" else parser(name)
+    seen, reads = characters_read(p.reader(TOOLS), text, step)
+    assert seen <= 4 * len(text) + 16 * reads, (seen, len(text), reads)
+
+
+def test_the_work_count_sees_a_whole_reparse():
+    """The test double above catches the old cost: re-parsing the text so far at each step
+    (`ReparseReader`, the default for parsers that only implement ``parse``) looks at every
+    character about a thousand times over the review's call."""
+    p = parser("hermes")
+    before, _ = characters_read(ReparseReader(p), BIG_CALL)
+    after, _ = characters_read(p.reader(TOOLS), BIG_CALL)
+    assert before > 1000 * len(BIG_CALL) > 250 * after
 
 
 # ---- the request side, no model -------------------------------------------------------------
@@ -250,7 +436,7 @@ def _chat(http, **body):
 
 def _chat_stream(http, **body):
     """A streamed choice: its calls joined from their fragments, its content, its finish
-    reasons."""
+    reasons, and per call the arguments its first fragment carried."""
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS,
                                                 "tools": TOOLS, "max_tokens": 300,
                                                 "stream": True, **body})
@@ -268,9 +454,7 @@ def _chat_stream(http, **body):
                 calls[frag["index"]]["arguments"] += frag["function"].get("arguments", "")
             if ch["finish_reason"] is not None:
                 reasons.append(ch["finish_reason"])
-    # the name comes first (the schema's order): each call is announced before its arguments
-    assert all(len(a) < len(c["arguments"]) for a, c in zip(announced, calls))
-    return calls, content, reasons
+    return calls, content, reasons, announced
 
 
 def _validated(calls):
@@ -294,14 +478,13 @@ def test_required_always_gives_valid_calls(tool_http, parallel):
         calls = _validated([c["function"] for c in msg["tool_calls"]])
         assert len(calls) >= 1 and (parallel or len(calls) == 1)
         assert len({c["id"] for c in msg["tool_calls"]}) == len(calls)
-        # the same seed streamed: the fragments join to the same calls (and while streaming
-        # a cut-off one's part)
-        s_calls, s_content, reasons = _chat_stream(tool_http, tool_choice="required",
-                                                   seed=seed, parallel_tool_calls=parallel)
-        assert s_calls[:len(calls)] == [{"name": n, "arguments": a} for n, a in calls]
+        # the same seed streamed: the same calls (a call cut off by max_tokens is sent by
+        # neither)
+        s_calls, s_content, reasons, announced = _chat_stream(
+            tool_http, tool_choice="required", seed=seed, parallel_tool_calls=parallel)
+        assert s_calls == [{"name": n, "arguments": a} for n, a in calls]
+        assert announced == [a for _, a in calls]  # each call whole, in one fragment
         assert reasons == [reason] and not s_content
-        if reason == "tool_calls":
-            assert len(s_calls) == len(calls)
     assert "tool_calls" in reasons_seen
 
 
@@ -313,8 +496,9 @@ def test_named_function_always_gives_its_valid_arguments(tool_http):
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         calls = _validated([call["function"]])
-        s_calls, _, reasons = _chat_stream(tool_http, tool_choice=named, seed=seed)
+        s_calls, _, reasons, (first,) = _chat_stream(tool_http, tool_choice=named, seed=seed)
         assert _validated(s_calls) == calls and reasons == ["stop"]
+        assert len(first) < len(s_calls[0]["arguments"])  # certain: streamed as it comes
 
 
 HERMES_BLOCK = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
@@ -329,7 +513,7 @@ def test_auto_parses_the_model_text(tool_http):
     assert choice["message"]["content"] == "Checking."
     (call,) = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome", "days": 3}'}
-    calls, content, reasons = _chat_stream(tool_http, tool_choice="auto", **forced)
+    calls, content, reasons, _ = _chat_stream(tool_http, tool_choice="auto", **forced)
     assert calls == [call["function"]] and content == "Checking." and reasons == ["tool_calls"]
 
 

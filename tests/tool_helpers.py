@@ -37,3 +37,64 @@ def hermes_server(folder: Path) -> Iterator[str]:
 
     with tiny_server(folder, {**SERVER_KEYS, "api_key": KEY}) as url:
         yield url
+
+
+class CountingStr(str):
+    """A text that counts the characters its readers look at (a test double for the amount of
+    work, not its time): an index counts 1, a slice its length, ``find`` the span it searched,
+    ``startswith`` the prefix, iteration, ``in``, ``==`` and strips the whole text. All
+    prefixes of one stream share ``counter``, a one-item list. A use that bypasses these (a
+    regex on the text) would go uncounted: the scanners of core/json_scan.py use none."""
+
+    counter: list[int] = [0]
+
+    def __getitem__(self, k):
+        r = str.__getitem__(self, k)
+        self.counter[0] += max(len(r), 1)
+        return r
+
+    def find(self, sub, start=None, end=None):
+        r = str.find(self, sub, start, end)
+        s = 0 if start is None else start
+        e = len(self) if end is None else min(end, len(self))
+        self.counter[0] += max(r + len(sub) if r >= 0 else e, s) - s + 1
+        return r
+
+    def startswith(self, prefix, start=0, end=None):
+        self.counter[0] += len(prefix) if isinstance(prefix, str) else max(map(len, prefix))
+        return str.startswith(self, prefix, start, end)
+
+    def _whole(self):
+        self.counter[0] += len(self)
+
+    def __iter__(self):
+        self._whole()
+        return str.__iter__(self)
+
+    def __contains__(self, x):
+        self._whole()
+        return str.__contains__(self, x)
+
+    def __eq__(self, other):
+        self._whole()
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+    def rstrip(self, *chars):
+        self._whole()
+        return str.rstrip(self, *chars)
+
+    def strip(self, *chars):
+        self._whole()
+        return str.strip(self, *chars)
+
+
+def characters_read(reader, text: str, step: int = 4) -> tuple[int, int]:
+    """A tool-call reader fed ``text`` ``step`` characters at a time (about a token), the last
+    read final: (characters it looked at over the whole stream, reads)."""
+    CountingStr.counter = [0]
+    cuts = list(range(step, len(text), step)) + [len(text)]
+    for k in cuts:
+        reader.read(CountingStr(text[:k]), k == len(text))
+    return CountingStr.counter[0], len(cuts)

@@ -8,12 +8,14 @@ content). Finish reason: ``tool_calls`` when calls were found and the model stop
 (``auto``, ``required``), ``stop`` for a named function (OpenAI's and vLLM's rule),
 ``length`` stays ``length``.
 
-A stream (`ToolCallStream`) parses the choice's text so far at each step and sends what is
-new: content, then per call ``{"index", "id", "type": "function", "function": {"name",
-"arguments": ""}}`` once its name is known, then ``{"index", "function": {"arguments": frag}}``
-as its arguments grow (OpenAI's chunk shapes). The parsers are prefix-stable
-(core/tool_parser.py), so the fragments of a call join to the arguments of the one-body
-answer.
+Every answer is read through the parser's reader (core/tool_parser.py) with the request's
+tools: a one-body answer by one final read of the whole text, a stream (`ToolCallStream`) by a
+read at each step, sending what is new: content, then per call ``{"index", "id", "type":
+"function", "function": {"name", "arguments"}}`` once it is certain to be a call (with the
+arguments known so far), then ``{"index", "function": {"arguments": frag}}`` as they grow
+(OpenAI's chunk shapes). The readers send nothing that a later text could take back, so a
+stream reassembles to the one-body answer of the same text: the same calls, content and finish
+reason, wherever the steps cut it.
 """
 
 from __future__ import annotations
@@ -21,47 +23,98 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pagebatch.tool_parser import (ToolCall, ToolCallParse, ToolParser, content_of, scan_call,
-                                   skip_ws)
+from pagebatch.tool_parser import (CALL, PENDING, CallDelta, CallScanner, DeltaOut,
+                                   ReaderToolParser, ToolCallDelta, ToolCallParse,
+                                   ToolCallReader, ToolParser, Tools, collect, skip_ws)
 
 from .tools import ToolRequest
 
 
-class RequiredParser(ToolParser):
+class RequiredParser(ReaderToolParser):
     """``[{"name": ..., "arguments": {...}}, ...]``, what ``tool_choice: required`` forces.
-    Text cut short (``max_tokens``) gives the calls that were complete."""
+    Text cut short (``max_tokens``) gives the calls that were complete; a call is sent when its
+    object is complete. No calls (a text that is not such an array): the text is content."""
 
     def __init__(self) -> None:
         super().__init__(None)
 
-    def parse(self, text: str, final: bool = True) -> ToolCallParse:
-        calls: list[ToolCall] = []
-        s = skip_ws(text, 0)
-        if s < len(text) and text[s] != "[":
-            return ToolCallParse(content_of([text], [], final))
-        s = skip_ws(text, s + 1)
-        while s < len(text) and text[s] != "]":
-            scan = scan_call(text, s)
-            if not scan.ok or scan.end is None:
-                if scan.ok and not final and scan.call is not None:
-                    calls.append(scan.call)
+    def reader(self, tools: Tools | None = None) -> RequiredReader:
+        return RequiredReader()
+
+
+# RequiredReader phases: before '[', before an item, in one, after one, done, not an array
+_START, _ITEM, _JSON, _AFTER, _DONE, _CONTENT = range(6)
+
+
+class RequiredReader(ToolCallReader):
+    """One stream of ``required`` text: a cursor over the array, the item being written scanned
+    incrementally; content only when the text is no array, or at the end without calls."""
+
+    def __init__(self) -> None:
+        self.out = DeltaOut()
+        self.phase, self.pos = _START, 0
+        self.scan: CallScanner | None = None
+
+    def read(self, text: str, final: bool) -> ToolCallDelta:
+        n = len(text)
+        while self.phase != _DONE:
+            if self.phase == _CONTENT:
+                self.out.content(text[self.pos:])
+                self.pos = n
                 break
-            calls.append(scan.call)
-            s = skip_ws(text, scan.end)
-            if s < len(text) and text[s] == ",":
-                s = skip_ws(text, s + 1)
-        return ToolCallParse(None if calls or final else "", tuple(calls))
+            if self.phase == _JSON:
+                state = self.scan.advance(text)
+                if state == PENDING and not final:
+                    break
+                if state != CALL:
+                    self.phase = _DONE
+                    break
+                self.out.call(self.scan.name, self.scan.arguments)
+                self.pos, self.phase = self.scan.end, _AFTER
+                continue
+            s = self.pos = skip_ws(text, self.pos)
+            if s >= n:
+                if final:
+                    self.phase = _DONE
+                break
+            c = text[s]
+            if self.phase == _START:
+                self.pos, self.phase = (s + 1, _ITEM) if c == "[" else (0, _CONTENT)
+            elif self.phase == _AFTER:
+                self.pos, self.phase = s + (c == ","), _ITEM
+            elif c == "]":
+                self.phase = _DONE
+            else:
+                self.scan, self.phase = CallScanner(s), _JSON
+        if final and self.phase == _DONE and not self.out.calls:
+            self.out.content(text)  # held back until now: no calls after all
+        return self.out.take(final)
 
 
-class NamedParser(ToolParser):
-    """A named ``tool_choice``: the whole text is the arguments of function ``name``."""
+class NamedParser(ReaderToolParser):
+    """A named ``tool_choice``: the whole text is the arguments of function ``name``, sent as
+    it comes (certain from the start)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(None)
         self.name = name
 
-    def parse(self, text: str, final: bool = True) -> ToolCallParse:
-        return ToolCallParse(None, (ToolCall(self.name, text),))
+    def reader(self, tools: Tools | None = None) -> NamedReader:
+        return NamedReader(self.name)
+
+
+class NamedReader(ToolCallReader):
+    """One stream of a named choice: the call at the first read, then each read's new text."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.sent = name, -1  # -1: the call not announced yet
+
+    def read(self, text: str, final: bool) -> ToolCallDelta:
+        if self.sent < 0:
+            self.sent = len(text)
+            return ToolCallDelta("", (CallDelta(0, self.name, text),))
+        new, self.sent = text[self.sent:], len(text)
+        return ToolCallDelta("", (CallDelta(0, None, new),) if new else ())
 
 
 def output_parser(req: ToolRequest | None, auto: ToolParser | None) -> ToolParser | None:
@@ -86,8 +139,9 @@ def finish_reason(req: ToolRequest | None, reason: str | None, called: bool) -> 
     return reason
 
 
-def _limited(req: ToolRequest, parsed: ToolCallParse) -> tuple[ToolCall, ...]:
-    return parsed.calls if req.parallel else parsed.calls[:1]
+def read_all(text: str, req: ToolRequest, parser: ToolParser) -> ToolCallParse:
+    """The one-body parse of a choice's ``text``: one final read of a new reader."""
+    return collect(parser.reader(req.tools).read(text, True))
 
 
 def chat_message(text: str, reason: str | None, req: ToolRequest | None,
@@ -97,10 +151,10 @@ def chat_message(text: str, reason: str | None, req: ToolRequest | None,
     keeps the first)."""
     if parser is None or req is None:
         return {"role": "assistant", "content": text}, reason
-    parsed = parser.parse(text, final=True)
-    calls = _limited(req, parsed)
+    parsed = read_all(text, req, parser)
+    calls = parsed.calls if req.parallel else parsed.calls[:1]
     if not calls:
-        return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": parsed.content}, reason
     tool_calls = [{"id": call_id(), "type": "function",
                    "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
     return ({"role": "assistant", "content": parsed.content, "tool_calls": tool_calls},
@@ -108,42 +162,33 @@ def chat_message(text: str, reason: str | None, req: ToolRequest | None,
 
 
 class ToolCallStream:
-    """What one streamed choice has sent; `delta` gives the next chunk's delta."""
+    """What one streamed choice has sent; `delta` gives the next chunk's delta. Work per
+    chunk: the reader's (the new text, for the built-in parsers) and the new calls."""
 
     def __init__(self, req: ToolRequest, parser: ToolParser) -> None:
-        self.req, self.parser = req, parser
-        self.content = ""  # content sent
-        self.calls: list[tuple[str, int]] = []  # per call sent: its id, arguments sent
+        self.req = req
+        self.reader = parser.reader(req.tools)
+        self.ids: list[str] = []  # per call sent, its id
 
     @property
     def called(self) -> bool:
-        return bool(self.calls)
+        return bool(self.ids)
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
         """The delta for the choice's text so far (``final``: all of it): new content and
         ``tool_calls`` fragments, {} when nothing is new."""
-        parsed = self.parser.parse(text, final=final)
-        out: dict[str, Any] = {}
-        content = parsed.content or ""
-        if len(content) > len(self.content) and content.startswith(self.content):
-            out["content"] = content[len(self.content):]
-            self.content = content
+        new = self.reader.read(text, final)
+        out: dict[str, Any] = {"content": new.content} if new.content else {}
         fragments = []
-        for i, call in enumerate(_limited(self.req, parsed)):
-            entry: dict[str, Any] | None = None
-            if i == len(self.calls):
-                cid = call_id()
-                entry = {"index": i, "id": cid, "type": "function",
-                         "function": {"name": call.name, "arguments": ""}}
-                self.calls.append((cid, 0))
-            cid, sent = self.calls[i]
-            if len(call.arguments) > sent:
-                if entry is None:
-                    entry = {"index": i, "function": {}}
-                entry["function"]["arguments"] = call.arguments[sent:]
-                self.calls[i] = (cid, len(call.arguments))
-            if entry is not None:
-                fragments.append(entry)
+        for c in new.calls:
+            if c.index > 0 and not self.req.parallel:
+                continue  # parallel_tool_calls false: the first call only
+            if c.index == len(self.ids):
+                self.ids.append(call_id())
+                fragments.append({"index": c.index, "id": self.ids[-1], "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}})
+            elif c.arguments:
+                fragments.append({"index": c.index, "function": {"arguments": c.arguments}})
         if fragments:
             out["tool_calls"] = fragments
         return out
