@@ -30,3 +30,20 @@ def test_step_varying_counts_are_not_specialized(index):
     kernel, names = _kernels()[index]
     flagged = {p.name for p in kernel.params if p.do_not_specialize}
     assert names <= flagged, f"{kernel.fn.__name__}: {sorted(names - flagged)} specialized"
+
+
+def test_step_buffer_views_are_not_specialized_on_alignment():
+    """Pointers into the step's packed int32 buffer (and slices of them for a batch part) are
+    16-byte aligned or not depending on the batch's token and request counts: a kernel that
+    specialized on their alignment would compile a variant per pattern while serving."""
+    from pagebatch.kernels import rotary
+    from pagebatch.plugins.attention import prefill_kernel
+    from pagebatch.plugins.attention import triton_kernels as attn
+
+    views = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "pos_ptr"}
+    for kernel, names in ((attn.paged_attention_kernel, views),
+                          (prefill_kernel.prefill_attention_kernel, views),
+                          (attn.write_kv_kernel, {"slot_mapping_ptr", "pos_ptr"}),
+                          (rotary._rotary_kernel, {"pos_ptr"})):
+        flagged = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+        assert names <= flagged, f"{kernel.fn.__name__}: {sorted(names - flagged)} specialized"
