@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Session 12: pagebatch side by side with vLLM 0.24.0 on the H200 (after the staging calls of
 # .vl/vllm-gpu, see its header).
-#   bash scripts/gpu_vllm.sh offline   T1 --compare vllm, T1 sampled (pagebatch), batch-1 8B
-#                                      --compare vllm
-#   bash scripts/gpu_vllm.sh serve     pagebatch serve, then vllm serve, over the rate sweep of
-#                                      gpu_serve.sh, then
-#                                      batch-1 1B --compare vllm
+#   bash scripts/gpu_vllm.sh quick     pagebatch serve, then vllm serve, over the rate sweep of
+#                                      gpu_serve.sh
+#   bash scripts/gpu_vllm.sh offline   T1 --compare vllm, batch-1 8B --compare vllm
+#   bash scripts/gpu_vllm.sh lat1b     batch-1 1B --compare vllm
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -17,24 +16,17 @@ C8="examples/configs/llama-3.1-8b --load-format dummy --max-model-len 4096"
 T1="$C8 --max-num-batched-tokens 16384 --num-prompts 256 --input-len 512 --output-len 128"
 S="--temperature 0.8 --top-p 0.95 --top-k 50"
 show() { grep -v "no tokenizer" | grep -E "^(pagebatch|vllm) |/ vllm|^throughput|^latency" | sed "s/^/$1: /"; }
-if [ "$1" = quick ]; then  # T1 side by side, then both servers over the sweep
+if [ "$1" = quick ]; then  # both servers over the sweep of gpu_serve.sh
+    BENCH_S=170 TAIL=8 bash scripts/gpu_serve.sh pagebatch pagebatch --max-num-seqs 256
+    BENCH_S=170 TAIL=8 bash scripts/gpu_serve.sh vllm vllm --max-num-seqs 256
+elif [ "$1" = offline ]; then  # T1 and batch-1 8B, each side by side in one command
     timeout 280 python3 -m pagebatch.cli bench throughput $T1 --compare vllm \
         --output "$OUT/t1-vllm.json" 2> "$OUT/t1-vllm.err" | show t1
-    tail -n 2 "$OUT/t1-vllm.err" | cut -c1-200
-    BENCH_S=150 TAIL=8 bash scripts/gpu_serve.sh pagebatch pagebatch --max-num-seqs 256
-    BENCH_S=150 TAIL=8 bash scripts/gpu_serve.sh vllm vllm --max-num-seqs 256
-elif [ "$1" = offline ]; then
-    timeout 280 python3 -m pagebatch.cli bench throughput $T1 --compare vllm \
-        --output "$OUT/t1-vllm.json" 2> "$OUT/t1-vllm.err" | show t1
-    timeout 90 python3 -m pagebatch.cli bench throughput $T1 $S --output "$OUT/t1-sampled.json" \
-        2>&1 | show t1-sampled
-    timeout 200 python3 -m pagebatch.cli bench latency $C8 --input-len 128 --output-len 256 \
+    timeout 240 python3 -m pagebatch.cli bench latency $C8 --input-len 128 --output-len 256 \
         --compare vllm --output "$OUT/lat8b-vllm.json" 2> "$OUT/lat8b-vllm.err" | show lat-8b
     tail -n 3 "$OUT/t1-vllm.err" "$OUT/lat8b-vllm.err" | cut -c1-200
-else
-    BENCH_S=200 TAIL=8 bash scripts/gpu_serve.sh pagebatch pagebatch --max-num-seqs 256
-    BENCH_S=200 TAIL=8 bash scripts/gpu_serve.sh vllm vllm --max-num-seqs 256
-    timeout 200 python3 -m pagebatch.cli bench latency examples/configs/llama-3.2-1b \
+else  # batch-1 1B side by side
+    timeout 240 python3 -m pagebatch.cli bench latency examples/configs/llama-3.2-1b \
         --load-format dummy --max-model-len 4096 --input-len 128 --output-len 256 \
         --compare vllm --output "$OUT/lat1b-vllm.json" 2> "$OUT/lat1b-vllm.err" | show lat-1b
     tail -n 3 "$OUT/lat1b-vllm.err" | cut -c1-200
