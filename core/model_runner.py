@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata, resolve_kv_cache_dtype
-from .cuda_graphs import CUDAGraphs
+from .cuda_graphs import CUDAGraphs, capture_sizes
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
 from .kv_window import max_blocks_held
@@ -269,7 +269,10 @@ class ModelRunner:
             warm_up_step_variants(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                                   self.block_size, self.max_model_len,
                                   self.max_num_batched_tokens, self.device,
-                                  self.config.max_num_seqs)
+                                  self.config.max_num_seqs,
+                                  capture_sizes(self.config.max_num_seqs)
+                                  if self.use_cuda_graphs else None,
+                                  self.parallel.tp_size)
         if self.use_cuda_graphs:
             if self._stage_io:  # a pipeline stage: the graph holds its layers, not the comms
                 self._pp_in = None if self.parallel.is_first_stage else torch.zeros(

@@ -95,17 +95,38 @@ def batch_metadata(reqs: list[tuple[int, int]], block_size: int,
     return zeros, zeros, meta
 
 
+def decode_batches(sizes: list[int], max_model_len: int) -> list[list[tuple[int, int]]]:
+    """Decode-only batches of each CUDA-graph size in ``sizes`` at max_model_len (the contexts
+    a graph's launch is chosen for: core/cuda_graphs.py `CUDAGraphs.metadata`)."""
+    return [[(1, max_model_len)] * bs for bs in sizes]
+
+
 @torch.inference_mode()
 def warm_up_step_variants(forward: Callable[..., torch.Tensor], block_size: int,
                           max_model_len: int, max_num_batched_tokens: int,
-                          device: torch.device, max_num_seqs: int = MANY) -> None:
+                          device: torch.device, max_num_seqs: int = MANY,
+                          graph_sizes: list[int] | None = None,
+                          processes_per_host: int = 1) -> None:
     """Run ``forward(ids, positions, metadata)`` (the model over the KV caches) on every batch
-    of `warmup_batches`; logs the time taken."""
+    of `warmup_batches`; logs the time taken. On CUDA the Triton variants of those batches and
+    of `decode_batches` (``graph_sizes``: the CUDA graphs about to be captured) are first
+    compiled in parallel processes (core/kernels/precompile.py), so that the run itself, and
+    the capture after it, load them from Triton's disk cache."""
     start = time.perf_counter()
     batches = warmup_batches(max_model_len, max_num_batched_tokens, max_num_seqs)
-    for reqs in batches:
-        ids, pos, meta = batch_metadata(reqs, block_size, device)
-        forward(ids, pos, meta)
+
+    def run(which: list[list[tuple[int, int]]]) -> None:
+        for reqs in which:
+            ids, pos, meta = batch_metadata(reqs, block_size, device)
+            forward(ids, pos, meta)
+
+    if device.type == "cuda":
+        from .kernels import precompile
+
+        decodes = decode_batches(graph_sizes or [], max_model_len)
+        precompile.in_parallel(lambda: run(batches + decodes),
+                               precompile.default_workers(processes_per_host))
+    run(batches)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("warmed up the eager step's kernels on %d batch shapes in %.1f s", len(batches),

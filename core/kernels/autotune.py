@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import tuned
+from . import precompile, tuned
 
 ENV_ENABLE = "PAGEBATCH_AUTOTUNE"  # "0": no tuning
 ENV_MAX_S = "PAGEBATCH_AUTOTUNE_MAX_S"
@@ -103,7 +103,7 @@ def choose(kernel: str, device: torch.device, key: str, m: int, directory: Path,
         return cfg
     bucket = row_bucket(m)
     cands = candidates(bucket)
-    if len(cands) == 1 or not tuning_allowed(device):
+    if len(cands) == 1 or not tuning_allowed(device) or precompile.recording():
         return dict(cands[0])
     start = time.perf_counter()
     try:

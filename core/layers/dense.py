@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagebatch.kernels import precompile
+
 GEMV_MAX_M = 16
 _kernels: dict = {}  # the Triton GEMV and the tables' module, imported on first CUDA use
 _choice: dict[tuple, dict | None] = {}  # (device, N, K, M) -> GEMV parameters or None
@@ -59,8 +61,10 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return None
     key = (x.device, weight.shape[0], weight.shape[1], x.shape[0], gated)
     cfg = _choice.get(key, False)
-    if cfg is False:  # first call for this shape
-        cfg = _choice[key] = _lookup(*key, weight=weight, bias=bias)
+    if cfg is False:  # first call for this shape (not remembered from a record pass)
+        cfg = _lookup(*key, weight=weight, bias=bias)
+        if not precompile.recording():
+            _choice[key] = cfg
     return cfg
 
 

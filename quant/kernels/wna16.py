@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagebatch.kernels import autotune, num_sms
+from pagebatch.kernels import autotune, num_sms, precompile
 
 from . import CONFIG_DIR, wna16_configs
 from .w4a16_mma import w4a16_mma
@@ -253,7 +253,8 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
                           tuned_table=False)
     if cfg.get("half2") and (not act16 or not half2_allowed()):
         cfg = {**cfg, "half2": 0}  # fp32 activations (or the env) keep fp32 fields
-    _chosen[key] = cfg
+    if not precompile.recording():  # a record pass's choice is made on skipped launches
+        _chosen[key] = cfg
     return cfg
 
 
