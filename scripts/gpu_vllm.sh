@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12: pagebatch side by side with vLLM 0.24.0 on the H200 (after the staging calls of
+# Sessions 12-13: pagebatch side by side with vLLM 0.24.0 on the H200 (after the staging calls of
 # .vl/vllm-gpu, see its header).
 #   bash scripts/gpu_vllm.sh quick     pagebatch serve, then vllm serve, over the rate sweep of
 #                                      gpu_serve.sh

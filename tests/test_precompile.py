@@ -126,3 +126,14 @@ def test_cold_start_compiles_the_warmup_in_the_pool(tmp_path):
     off = _gpu_start(folder, tmp_path / "cache-off", "0")
     assert "precompiled" not in off
     assert on["tokens"] == off["tokens"]
+
+
+def test_a_choice_made_while_recording_is_not_remembered(monkeypatch):
+    """The rule dense.py's and wna16.py's per-shape config caches follow."""
+    cache = {}
+    monkeypatch.setattr(precompile, "_recording", True)
+    precompile.remember(cache, "shape", {"kernel": "gemv"})
+    assert cache == {}
+    monkeypatch.setattr(precompile, "_recording", False)
+    precompile.remember(cache, "shape", {"kernel": "gemv"})
+    assert cache == {"shape": {"kernel": "gemv"}}

@@ -49,6 +49,13 @@ def recording() -> bool:
     return _recording
 
 
+def remember(cache: dict, key: Any, value: Any) -> None:
+    """``cache[key] = value`` for a per-shape launch choice, except in a record pass (the
+    choice rests on skipped launches: the next real call chooses again)."""
+    if not _recording:
+        cache[key] = value
+
+
 def default_workers(processes_per_host: int = 1) -> int:
     """``$PAGEBATCH_PRECOMPILE_WORKERS``: a number of processes; ``auto``: up to MAX_WORKERS
     of this host's cores left after one each for ``processes_per_host`` engine processes;
@@ -171,8 +178,9 @@ def in_parallel(run: Callable[[], Any], workers: int | None = None) -> dict[str,
     for err in errors[:3]:
         logger.debug("precompile: %s", err)
     seconds = time.perf_counter() - start
-    logger.info("precompiled %d of %d Triton kernel variants in %d processes in %.1f s",
-                compiled, len(rec.variants), workers, seconds)
+    logger.info("precompiled %d of %d Triton kernel variants in %d processes in %.1f s "
+                "(%d launches left to compile where they run)", compiled, len(rec.variants),
+                workers, seconds, rec.unrecorded)
     return {"variants": len(rec.variants), "compiled": compiled, "errors": errors,
             "seconds": seconds}
 

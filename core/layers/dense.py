@@ -63,8 +63,7 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     cfg = _choice.get(key, False)
     if cfg is False:  # first call for this shape (not remembered from a record pass)
         cfg = _lookup(*key, weight=weight, bias=bias)
-        if not precompile.recording():
-            _choice[key] = cfg
+        precompile.remember(_choice, key, cfg)
     return cfg
 
 

@@ -253,8 +253,7 @@ def _config(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int,
                           tuned_table=False)
     if cfg.get("half2") and (not act16 or not half2_allowed()):
         cfg = {**cfg, "half2": 0}  # fp32 activations (or the env) keep fp32 fields
-    if not precompile.recording():  # a record pass's choice is made on skipped launches
-        _chosen[key] = cfg
+    precompile.remember(_chosen, key, cfg)
     return cfg
 
 
