@@ -56,10 +56,11 @@ def test_worker_count_from_the_environment(monkeypatch):
     assert precompile.default_workers() == 0
     monkeypatch.setenv(precompile.ENV_WORKERS, "many")
     assert precompile.default_workers() == 0
-    monkeypatch.delenv(precompile.ENV_WORKERS)
-    assert precompile.default_workers() == 0  # off unless asked for (not yet run on a GPU)
     monkeypatch.setenv(precompile.ENV_WORKERS, "auto")
-    assert 0 <= precompile.default_workers(processes_per_host=1) <= precompile.MAX_WORKERS
+    auto = precompile.default_workers(processes_per_host=1)
+    assert 0 <= auto <= precompile.MAX_WORKERS
+    monkeypatch.delenv(precompile.ENV_WORKERS)
+    assert precompile.default_workers(processes_per_host=1) == auto  # unset: auto
     assert precompile.default_workers(processes_per_host=10**6) == 0
 
 

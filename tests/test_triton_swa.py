@@ -58,8 +58,8 @@ def dense_reference(q, k_all, v_all, lens, qlens, window, scale):
         kk = k.float().repeat_interleave(hq // hkv, 1)
         vv = v.float().repeat_interleave(hq // hkv, 1)
         s = torch.einsum("qhd,khd->hqk", qi.float(), kk) * scale
-        i = torch.arange(n - ql, n)[:, None]
-        j = torch.arange(n)[None, :]
+        i = torch.arange(n - ql, n, device=k.device)[:, None]
+        j = torch.arange(n, device=k.device)[None, :]
         s = s.masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
     return torch.cat(outs)

@@ -20,11 +20,11 @@ A variant that cannot be recorded or compiled this way (a kernel defined inside 
 constexpr Triton cannot serialize, a worker's error) is simply compiled on its first launch,
 as without this module; nothing here changes what runs, only when the compiles happen.
 Requires a CUDA device and Triton's hook and preload (Triton >= 3.4; checked on 3.6 and 3.9).
-``PAGEBATCH_PRECOMPILE_WORKERS``: processes; ``auto``: up to 8, one core left free; unset, 0
-or 1: off, every variant compiles where it is first launched. **Off by default**: written in
-session 13 after that session's GPU time was spent, tested on the CPU only (the recorder, the
-pool); tests/test_precompile.py's GPU test and a cold start-up figure are still to be run
-before it is turned on.
+``PAGEBATCH_PRECOMPILE_WORKERS``: processes; ``auto`` (the default): up to 8, one core left
+free per engine process on the host; 0 or 1: off, every variant compiles where it is first
+launched. Measured on the H200 (session 14, cold Triton cache, the 1B shape): 49 of 49
+variants precompiled by 8 processes in 18.0 s, start-up 27.7 s instead of 79.7 s serially;
+tests/test_precompile.py's GPU test (tokens equal with it off, nothing left to compile) passed.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def remember(cache: dict, key: Any, value: Any) -> None:
 def default_workers(processes_per_host: int = 1) -> int:
     """``$PAGEBATCH_PRECOMPILE_WORKERS``: a number of processes; ``auto``: up to MAX_WORKERS
     of this host's cores left after one each for ``processes_per_host`` engine processes;
-    unset: 0 (off; see the module's docstring)."""
-    env = os.environ.get(ENV_WORKERS, "0")
+    unset: ``auto``."""
+    env = os.environ.get(ENV_WORKERS, "auto")
     if env != "auto":
         try:
             return max(int(env), 0)
