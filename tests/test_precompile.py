@@ -4,13 +4,14 @@ CPU: the recorder keeps one entry per variant and lets through what it cannot re
 worker's failure is reported, never raised; the worker count's environment variable; nothing
 happens without CUDA. GPU (skipped without CUDA): on a cold Triton cache (a new
 ``TRITON_CACHE_DIR``) an engine start records the warm-up's variants, compiles every one of
-them in the worker pool, and the warm-up run after it then compiles nothing new (the workers'
+them in the worker processes, and the warm-up run after it then compiles nothing new (the workers'
 cache entries are the ones the engine's own launches look up); greedy tokens equal those of a
 start with precompile off."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -41,12 +42,30 @@ def test_recorder_keeps_one_entry_per_variant_and_passes_what_it_cannot_record()
 
 
 def test_a_workers_failure_is_reported_not_raised():
-    """The pool of spawned processes runs and returns each job's error text (here: no such
-    module; on a CPU machine also no CUDA driver for preload)."""
+    """The worker processes run and return each job's error text (here: no such module, no
+    such kernel; on a CPU machine also no CUDA driver for preload)."""
     compiled, errors = precompile.compile_variants(
         {"{}": ("pagebatch_no_such_module", "k"), '{"x": 1}': ("json", "no_such_kernel")}, 2)
     assert compiled == 0 and len(errors) == 2
     assert any("pagebatch_no_such_module" in e for e in errors)
+    assert any("json.no_such_kernel" in e for e in errors)
+
+
+def _workers_from_a_daemon(queue):
+    queue.put(precompile.compile_variants({"{}": ("pagebatch_no_such_module", "k")}, 2))
+
+
+def test_workers_start_from_a_daemonic_process():
+    """The engine core runs in a daemonic multiprocessing process (core_client.MPClient), where
+    a multiprocessing pool cannot start: the workers must still run there."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_workers_from_a_daemon, args=(queue,), daemon=True)
+    proc.start()
+    compiled, errors = queue.get(timeout=120)
+    proc.join(30)
+    assert compiled == 0 and len(errors) == 1 and "pagebatch_no_such_module" in errors[0]
+    assert "worker failed" not in errors[0]  # the job ran in a worker and reported its error
 
 
 def test_worker_count_from_the_environment(monkeypatch):

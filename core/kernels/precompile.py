@@ -11,8 +11,8 @@ warm-up's (core/step_warmup.py) otherwise compiles one variant after another on 
    in this pass (their outputs hold garbage; the torch ops around them run on it), and the
    kernel autotuner answers with the rule's guess, which its callers do not remember
    (`recording`).
-2. **Compile.** A pool of spawned processes, each importing the kernel's module and calling
-   ``preload`` with the recorded data: Triton compiles the variant into its disk cache
+2. **Compile.** Worker subprocesses (`compile_variants`), each importing the kernel's module
+   and calling ``preload`` with the recorded data: Triton compiles the variant into its disk cache
    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``). Then ``run()`` again, by the caller,
    normally: each variant now loads from the disk cache instead of compiling.
 
@@ -29,11 +29,13 @@ tests/test_precompile.py's GPU test (tokens equal with it off, nothing left to c
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -144,15 +146,52 @@ def _compile_one(module: str, qualname: str, data: str) -> str | None:
         return f"{module}.{qualname}: {e!r}"
 
 
+RESULT_TAG = "pagebatch-precompile-errors: "
+WORKER_TIMEOUT_S = 900.0
+
+
 def compile_variants(variants: dict[str, tuple[str, str]], workers: int) -> tuple[int, list[str]]:
-    """Compile ``variants`` (`_Recorder.variants`) in ``workers`` spawned processes; returns
-    (the number compiled, the errors' texts)."""
-    jobs = [(m, q, d) for d, (m, q) in variants.items()]
-    ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-        results = list(pool.map(_compile_one, *zip(*jobs)))
-    errors = [r for r in results if r is not None]
+    """Compile ``variants`` (`_Recorder.variants`) in ``workers`` worker processes; returns
+    (the number compiled, the errors' texts).
+
+    The workers are plain subprocesses (``python -m pagebatch.kernels.precompile``, jobs as
+    JSON on stdin), not a multiprocessing pool: the engine core usually runs in a daemonic
+    multiprocessing process, which may not start multiprocessing children. Each worker takes
+    every ``workers``-th job; one that fails or runs past WORKER_TIMEOUT_S reports all its
+    jobs as errors (they then compile at their first launch)."""
+    jobs = [[m, q, d] for d, (m, q) in variants.items()]
+    n = max(min(workers, len(jobs)), 1)
+    slices = [jobs[i::n] for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in slices]
+
+    def finish(proc: subprocess.Popen, part: list) -> list[str]:
+        try:
+            out, err = proc.communicate(json.dumps(part), timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return [f"{m}.{q}: the worker ran past {WORKER_TIMEOUT_S:.0f} s"
+                    for m, q, _ in part]
+        lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
+        if proc.returncode != 0 or not lines:
+            why = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            return [f"{m}.{q}: the worker failed ({why})" for m, q, _ in part]
+        return json.loads(lines[-1][len(RESULT_TAG):])
+
+    with ThreadPoolExecutor(len(procs)) as waiters:
+        results = list(waiters.map(finish, procs, slices))
+    errors = [e for part in results for e in part]
     return len(jobs) - len(errors), errors
+
+
+def _worker_main() -> None:
+    """A worker (`compile_variants`): JSON ``[[module, qualname, data], ...]`` on stdin, one
+    RESULT_TAG line with the JSON list of error texts on stdout."""
+    jobs = json.load(sys.stdin)
+    errors = [e for e in (_compile_one(*job) for job in jobs) if e is not None]
+    print(RESULT_TAG + json.dumps(errors), flush=True)
 
 
 def in_parallel(run: Callable[[], Any], workers: int | None = None) -> dict[str, Any] | None:
@@ -171,8 +210,8 @@ def in_parallel(run: Callable[[], Any], workers: int | None = None) -> dict[str,
         return {"variants": 0, "compiled": 0, "errors": [], "seconds": 0.0}
     try:
         compiled, errors = compile_variants(rec.variants, workers)
-    except Exception as e:  # noqa: BLE001 (a pool that cannot start: compiles stay serial)
-        logger.warning("precompile: the worker pool failed (%r); kernels compile on first use",
+    except Exception as e:  # noqa: BLE001 (workers that cannot start: compiles stay serial)
+        logger.warning("precompile: the workers failed (%r); kernels compile on first use",
                        e)
         return None
     for err in errors[:3]:
@@ -184,3 +223,6 @@ def in_parallel(run: Callable[[], Any], workers: int | None = None) -> dict[str,
     return {"variants": len(rec.variants), "compiled": compiled, "errors": errors,
             "seconds": seconds}
 
+
+if __name__ == "__main__":
+    _worker_main()
