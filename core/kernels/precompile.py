@@ -162,8 +162,10 @@ def compile_variants(variants: dict[str, tuple[str, str]], workers: int) -> tupl
     jobs = [[m, q, d] for d, (m, q) in variants.items()]
     n = max(min(workers, len(jobs)), 1)
     slices = [jobs[i::n] for i in range(n)]
+    env = dict(os.environ,  # the kernels' modules import as here (multiprocessing's spawn does so)
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in slices]
 
     def finish(proc: subprocess.Popen, part: list) -> list[str]:
