@@ -1,0 +1,92 @@
+"""The scheduler alone under a serve sweep's arrivals (no model, no GPU): where TTFT and TPOT
+would be if every step took what a step-time model says, to tell scheduling from runtime.
+
+Poisson arrivals at RATE req/s of NUM requests, input 512 and output 128 tokens +-50 % (uniform,
+seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size 16, 256 seqs,
+``--max-num-batched-tokens``), and a step time of
+
+    max(weights_s, tokens * flop_per_token / flops) + host_s + context_tokens * kv_bytes / hbm
+
+(defaults: the Llama-3.1-8B shape in bf16 on an H200: 16 GB of weights over 4 TB/s = 4 ms,
+16 GFLOP per token at 600 TFLOP/s, 1 ms of host and launch time, 128 KiB of KV per token).
+
+    .venv/bin/python scripts/sim_serve.py 8 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers_sched import make_request  # noqa: E402
+
+from pagebatch.kv_cache import KVCacheManager  # noqa: E402
+from pagebatch.scheduler import Scheduler  # noqa: E402
+from pagebatch.schedulers.fcfs import FCFSPolicy  # noqa: E402
+
+
+def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
+    rng = random.Random(0)
+    t, arrivals = 0.0, []
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        arrivals.append((t, int(512 * rng.uniform(0.5, 1.5)), int(128 * rng.uniform(0.5, 1.5))))
+    now = 0.0
+    sched = Scheduler(KVCacheManager(50_000, 16), FCFSPolicy(None), 256, mnbt,
+                      clock=lambda: now)
+    arrived, first, last, count = {}, {}, {}, {}
+    i = steps = mixed = 0
+    while len(last) < num:
+        while i < num and arrivals[i][0] <= now:
+            r = make_request(f"r{i}", arrivals[i][1], max_tokens=arrivals[i][2], ignore_eos=True)
+            arrived[r.request_id] = arrivals[i][0]
+            sched.add_request(r)
+            i += 1
+        so = sched.schedule()
+        if not so.scheduled:
+            now = arrivals[i][0]
+            continue
+        context = sum(s.start_pos + len(s.token_ids) for s in so.scheduled)
+        steps += 1
+        mixed += any(len(s.token_ids) > 1 for s in so.scheduled)
+        now += (max(a.weights_s, so.num_scheduled_tokens * a.flop_per_token / a.flops)
+                + a.host_s + context * a.kv_bytes / a.hbm)
+        for req, toks in sched.update_from_output(
+                so, {s.request_id: 5 for s in so.scheduled if s.sample}):
+            rid = req.request_id
+            first.setdefault(rid, now)
+            count[rid] = count.get(rid, 0) + len(toks)
+            if req.is_finished:
+                last[rid] = now
+    ttft = sorted(first[r] - arrived[r] for r in first)
+    tpot = sorted((last[r] - first[r]) / (count[r] - 1) for r in last if count[r] > 1)
+
+    def q(v, p):
+        return v[min(len(v) - 1, int(p * len(v)))] * 1e3
+
+    return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), TTFT p50 / p99 "
+            f"{q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, TPOT p50 / p99 {q(tpot, .5):.1f} / "
+            f"{q(tpot, .99):.1f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("rates", nargs="+", type=float)
+    p.add_argument("--num", type=int, default=200)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--weights-s", type=float, default=4.0e-3)
+    p.add_argument("--flop-per-token", type=float, default=16e9)
+    p.add_argument("--flops", type=float, default=600e12)
+    p.add_argument("--host-s", type=float, default=1.0e-3)
+    p.add_argument("--kv-bytes", type=float, default=128 * 1024)
+    p.add_argument("--hbm", type=float, default=4e12)
+    a = p.parse_args()
+    for rate in a.rates:
+        print(simulate(rate, a.num, a.max_num_batched_tokens, a))
+
+
+if __name__ == "__main__":
+    main()
