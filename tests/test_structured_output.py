@@ -58,6 +58,29 @@ def test_bitmask_masks_only_the_constrained_rows():
     assert allowed == [5, 35] and torch.equal(out[1, allowed], logits[1, allowed])
 
 
+@pytest.mark.parametrize("text, ok", [
+    (b'{"a": "abcde"}', True), (b'{"a": ""}', True), (b'{"a": "abcdef"}', False),
+    (b'{"a": "\xe2\x82\xac\xf0\x9f\x98\x80"}', True),  # a 3-byte and a 4-byte character
+    (b'{"a": "\\"\\n\\t\\/\\\\"}', True),  # five escapes: five characters
+    (b'{"a": "\\"\\n\\t\\/\\\\x"}', False),  # six characters
+    (b'{"a": "a\tb"}', False), (b'{"a": "\x01"}', False),  # raw control characters
+    (b'{"a": "\xed\xa0\x80"}', False),  # a UTF-16 surrogate, UTF-8 encoded
+])
+def test_length_bounded_strings_are_json_strings(text, ok):
+    """xgrammar #800: a string with maxLength admitted raw control characters and surrogates
+    (and no escapes); plugins/structured_output/xgrammar_strings.py rewrites its rule."""
+    import xgrammar as xgr
+    from pagebatch.plugins.structured_output.xgrammar_backend import _grammar
+    from pagebatch.structured_output import Constraint
+
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 5}}}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(
+        _grammar(Constraint("json", json.dumps(schema))))
+    m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    assert (m.accept_string(text) and m.is_completed()) is ok
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------
 
 def _gen(llm, prompts, params):
@@ -74,6 +97,27 @@ def test_json_schema_outputs_parse_and_validate(smollm2_llm):
         jsonschema.validate(json.loads(c.text), SCHEMA)
     # compiled once, whatever the number of requests
     assert smollm2_llm.engine.core.structured.num_compiles >= 1
+
+
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["code", "note"],
+           "properties": {"code": {"type": "string", "minLength": 1, "maxLength": 2},
+                          "note": {"type": "string", "maxLength": 8}}}
+# SmolLM2 tokens: a tab, and the bytes ED A0 80 (U+D800 UTF-8 encoded: decoded as 3 U+FFFD)
+TAB, SURROGATE = 197, (184, 250, 218)
+
+
+def test_length_bounded_strings_parse_and_validate_over_seeds(smollm2_llm):
+    """xgrammar #800 end to end: greedy with a logit bias towards a tab (or a surrogate's
+    bytes) took it wherever the grammar let it; now those outputs, and samples over many seeds,
+    all parse and validate."""
+    params = [SamplingParams(temperature=0.0, max_tokens=48, logit_bias={t: 20.0 for t in ts},
+                             structured_outputs=SO(json=BOUNDED)) for ts in ([TAB], SURROGATE)]
+    params += [SamplingParams(temperature=1.2, seed=s, max_tokens=32,
+                              structured_outputs=SO(json=BOUNDED)) for s in range(8)]
+    for out in _gen(smollm2_llm, ["A short code and a note, as JSON:"] * len(params), params):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), BOUNDED)
 
 
 def test_regex_choice_and_json_object(smollm2_llm):
