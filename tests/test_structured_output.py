@@ -260,6 +260,21 @@ def test_http_response_format_json_schema(smol_client, stream):
     jsonschema.validate(json.loads(text), SMALL)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_completions_take_response_format(smol_client, stream):
+    """As vLLM's server: response_format constrains /v1/completions too (it was ignored)."""
+    def text(rf, max_tokens):
+        r = smol_client.completions.create(model="tiny", prompt="{", max_tokens=max_tokens,
+                                           seed=5, stream=stream,
+                                           extra_body={"response_format": rf})
+        return ("".join(c.choices[0].text for c in r if c.choices) if stream
+                else r.choices[0].text)
+
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SMALL, "strict": True}}
+    jsonschema.validate(json.loads(text(rf, 40)), SMALL)
+    assert text({"type": "json_object"}, 8).startswith("{")
+
+
 def test_http_guided_fields(smol_client):
     r = smol_client.completions.create(model="tiny", prompt="pick", max_tokens=8, seed=1,
                                        extra_body={"guided_choice": ["alpha", "beta"]})
@@ -281,6 +296,10 @@ def test_http_guided_fields(smol_client):
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "yaml"}},
      "response_format.type"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
+     "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                         "guided_regex": "a"}, "response_format"),
     ("/v1/completions", {"prompt": "x", "guided_json": "{bad"}, "guided_json"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]},
      "guided_choice"),
