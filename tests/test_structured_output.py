@@ -101,7 +101,7 @@ def test_json_schema_outputs_parse_and_validate(smollm2_llm):
 
 BOUNDED = {"type": "object", "additionalProperties": False, "required": ["code", "note"],
            "properties": {"code": {"type": "string", "minLength": 1, "maxLength": 2},
-                          "note": {"type": "string", "maxLength": 8}}}
+                          "note": {"type": "string", "maxLength": 4}}}
 # SmolLM2 tokens: a tab, and the bytes ED A0 80 (U+D800 UTF-8 encoded: decoded as 3 U+FFFD)
 TAB, SURROGATE = 197, (184, 250, 218)
 
@@ -110,10 +110,10 @@ def test_length_bounded_strings_parse_and_validate_over_seeds(smollm2_llm):
     """xgrammar #800 end to end: greedy with a logit bias towards a tab (or a surrogate's
     bytes) took it wherever the grammar let it; now those outputs, and samples over many seeds,
     all parse and validate."""
-    params = [SamplingParams(temperature=0.0, max_tokens=48, logit_bias={t: 20.0 for t in ts},
+    params = [SamplingParams(temperature=0.0, max_tokens=32, logit_bias={t: 20.0 for t in ts},
                              structured_outputs=SO(json=BOUNDED)) for ts in ([TAB], SURROGATE)]
     params += [SamplingParams(temperature=1.2, seed=s, max_tokens=32,
-                              structured_outputs=SO(json=BOUNDED)) for s in range(8)]
+                              structured_outputs=SO(json=BOUNDED)) for s in range(6)]
     for out in _gen(smollm2_llm, ["A short code and a note, as JSON:"] * len(params), params):
         c = out.outputs[0]
         assert c.finish_reason == "stop", c
@@ -160,6 +160,7 @@ def test_impossible_constraint_ends_only_its_request(smollm2_llm):
     assert outs[0].outputs[0].token_ids == solo and outs[0].error is None
     assert outs[1].outputs[0].finish_reason == "error"
     assert "structured_outputs.choice" in outs[1].error and "cannot be met" in outs[1].error
+    assert outs[1].error_param == "structured_outputs.choice" and outs[0].error_param is None
     assert outs[1].outputs[0].text == "yes"
 
 
@@ -316,3 +317,34 @@ def test_http_bad_constraints_are_400_naming_the_field(smol_vocab_server, path, 
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["alpha"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "a"}}}},
+     "response_format.json_schema.schema"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_a_constraint_that_cannot_be_met_is_400_naming_the_field(smol_vocab_server, path,
+                                                                      body, param, stream):
+    """Only EOS may follow the constraint's text and min_tokens masks EOS out: the request
+    ends with a 400 (in a stream: an error event, then [DONE]) whose param names the field,
+    not a 500, and a request after it is served."""
+    import httpx
+    from http_helpers import KEY, events
+
+    def post(extra):
+        return httpx.post(smol_vocab_server + path, json={"model": "tiny", **extra},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    r = post({**body, "max_tokens": 12, "min_tokens": 10, "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        error = events(r.text)[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["param"] == param and "cannot be met" in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    assert post({**body, "max_tokens": 12}).status_code == 200

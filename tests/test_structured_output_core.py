@@ -120,8 +120,11 @@ def test_a_forbidden_token_is_explained_from_the_matcher_state():
     m.add_request("stuck", _allow())  # nothing allowed: a dead end
     m.add_request("masked", _allow(7))  # 7 allowed, something else sampled
     m.batch(["stuck", "masked"])
-    assert "no token can continue it" in m.accept("stuck", 7)
-    assert "token 9 was sampled, which it forbids" in m.accept("masked", 9)
+    stuck, masked = m.accept("stuck", 7), m.accept("masked", 9)
+    assert "no token can continue it" in str(stuck)
+    assert "token 9 was sampled, which it forbids" in str(masked)
+    # the error names the request field (the HTTP 400's param)
+    assert stuck.param == masked.param == "structured_outputs.regex"
     assert m.accept("masked", 7) is None and m.accept("unconstrained", 9) is None
 
 
