@@ -261,21 +261,6 @@ def test_http_response_format_json_schema(smol_client, stream):
     jsonschema.validate(json.loads(text), SMALL)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_http_completions_take_response_format(smol_client, stream):
-    """As vLLM's server: response_format constrains /v1/completions too (it was ignored)."""
-    def text(rf, max_tokens):
-        r = smol_client.completions.create(model="tiny", prompt="{", max_tokens=max_tokens,
-                                           seed=5, stream=stream,
-                                           extra_body={"response_format": rf})
-        return ("".join(c.choices[0].text for c in r if c.choices) if stream
-                else r.choices[0].text)
-
-    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SMALL, "strict": True}}
-    jsonschema.validate(json.loads(text(rf, 40)), SMALL)
-    assert text({"type": "json_object"}, 8).startswith("{")
-
-
 def test_http_guided_fields(smol_client):
     r = smol_client.completions.create(model="tiny", prompt="pick", max_tokens=8, seed=1,
                                        extra_body={"guided_choice": ["alpha", "beta"]})
@@ -286,6 +271,60 @@ def test_http_guided_fields(smol_client):
     r = smol_client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40,
                                             response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def _json_schema(strict):
+    js = {"name": "x", "schema": SMALL}
+    return {"type": "json_schema", "json_schema": js if strict is None else {**js,
+                                                                            "strict": strict}}
+
+
+def _is_small(text):
+    jsonschema.validate(json.loads(text), SMALL)
+    return True
+
+
+# each request field that constrains the output: the body part, and what its output must be
+FIELDS = {
+    "response_format.json_schema": ({"response_format": _json_schema(True)}, _is_small),
+    "response_format.json_schema.strict=false": ({"response_format": _json_schema(False)},
+                                                 _is_small),
+    "response_format.json_schema.no_strict": ({"response_format": _json_schema(None)},
+                                              _is_small),
+    "response_format.json_object": ({"response_format": {"type": "json_object"},
+                                     "max_tokens": 6}, lambda t: t.startswith("{")),
+    "structured_outputs.json": ({"structured_outputs": {"json": SMALL}}, _is_small),
+    "guided_json": ({"guided_json": json.dumps(SMALL)}, _is_small),
+    "guided_regex": ({"guided_regex": "[a-z]{2}-[0-9]{3}"},
+                     lambda t: re.fullmatch("[a-z]{2}-[0-9]{3}", t)),
+    "guided_choice": ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+    "guided_grammar": ({"guided_grammar": 'root ::= "x" [0-9] [0-9]'},
+                       lambda t: re.fullmatch("x[0-9]{2}", t)),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_http_every_constraint_field_on_both_endpoints(smol_vocab_server, field, path, stream):
+    """Each constraint field (strict or not) in chat and completions, streamed or not: the
+    text fits it."""
+    import httpx
+    from http_helpers import KEY, events
+
+    extra, fits = FIELDS[field]
+    prompt = {"messages": MSG} if path.endswith("chat/completions") else {"prompt": "x"}
+    r = httpx.post(smol_vocab_server + path, json={
+        "model": "tiny", "max_tokens": 40, "seed": 2, "stream": stream, **prompt, **extra},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                       for ev in events(r.text) for ch in ev["choices"])
+    else:
+        ch = r.json()["choices"][0]
+        text = ch["text"] if "text" in ch else ch["message"]["content"]
+    assert fits(text), text
 
 
 @pytest.mark.parametrize("path, body, param", [

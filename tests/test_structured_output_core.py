@@ -188,3 +188,23 @@ def test_an_id_in_use_is_refused_and_its_matcher_kept(core_llm):
     assert core.structured._requests["r"] is tracked
     assert core.scheduler.requests["r"].prompt_token_ids == [5, 6]
     core.abort_requests(["r"])
+
+
+def test_a_constraint_the_core_process_cannot_compile_names_its_field():
+    """In `pagebatch serve` the engine core runs in its own process: a request it cannot add
+    (its backend refuses to compile the constraint) ends with an error output that keeps the
+    field (the HTTP frontend's 400 param), and the loop goes on."""
+    from pagebatch.core_proc import CoreBusyLoop
+    from pagebatch.errors import SamplingParamsError
+
+    class Core:
+        has_work = False
+
+        def add_request(self, r):
+            raise SamplingParamsError("guided_json cannot be compiled: no", "guided_json")
+
+    loop = CoreBusyLoop(Core())
+    loop.inbox.put(EngineCoreRequest("r", [5], SamplingParams(), frozenset(), 0))
+    (out,) = loop.run_once(timeout=0)
+    assert (out.request_id, out.finish_reason, out.error_param) == ("r", "error", "guided_json")
+    assert "cannot be compiled" in out.error
