@@ -34,6 +34,7 @@ from typing import Any
 from .config import EngineConfig
 from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
                           EngineCoreShutdown)
+from .errors import SamplingParamsError
 from .registry import registry
 from .request import FinishReason
 
@@ -78,8 +79,10 @@ class CoreBusyLoop:
                 self.core.add_request(msg)
             except Exception as e:  # one bad request must not stop the loop
                 logger.exception("adding request %r failed", msg.request_id)
+                # a constraint that cannot compile names its field (answered as a 400)
+                param = e.param if isinstance(e, SamplingParamsError) else None
                 return [EngineCoreOutput(msg.request_id, [], FinishReason.ERROR.value,
-                                         f"{type(e).__name__}: {e}")]
+                                         f"{type(e).__name__}: {e}", param)]
             return []
         if isinstance(msg, EngineCoreAbort):
             return self.core.abort_requests(msg.request_ids)

@@ -299,7 +299,7 @@ class LLMEngine:
             st.add_prompt_logprobs(o.prompt_logprobs, self._decode_token if self.tokenizer
                                    else None)
         if o.error is not None and st.error is None:
-            st.error = o.error
+            st.error, st.error_param = o.error, o.error_param
         sample = st.samples[index]
         abort = sample.update(o)
         if sample.finished:

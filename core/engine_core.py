@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .errors import EngineDeadError
+from .errors import EngineDeadError, SamplingParamsError
 from .executor import Executor, StepHandle, UniprocExecutor, async_scheduling
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, RunnerOutput
@@ -56,6 +56,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_param: str | None = None  # with error: the request field at fault (a user error)
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
 
@@ -381,15 +382,16 @@ class EngineCore:
             if rid in self.scheduler.requests:
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
         for req in self.scheduler.fail_requests(list(failed)):
+            e = failed[req.request_id]
             outputs.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR.value,
-                                            failed[req.request_id]))
+                                            str(e), e.param))
         if constrained is not None:  # a constrained request finishes only in a step it samples in
             reqs = self.scheduler.requests
             self.structured.remove(rid for rid in constrained.request_ids if rid not in reqs)
         return outputs
 
     def _accept_structured(self, request_ids: list[str],
-                           sampled: dict[str, int]) -> dict[str, str]:
+                           sampled: dict[str, int]) -> dict[str, SamplingParamsError]:
         """Advance the matchers of ``request_ids`` (the step's constrained sampling rows) that
         got a token (the same ones `update_from_output` appends to); a token the constraint
         forbids is taken out of ``sampled`` and its request is returned (id -> error) to

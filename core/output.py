@@ -171,6 +171,7 @@ class RequestState:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.error: str | None = None
+        self.error_param: str | None = None  # the request field at fault, for a user error
         self.final_only = False
 
     def want_final_only(self) -> None:
@@ -196,4 +197,4 @@ class RequestState:
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids,
                              [s.completion() for s in self.samples], self.finished, self.error,
                              list(self.prompt_logprobs) if self.prompt_logprobs is not None
-                             else None)
+                             else None, self.error_param)

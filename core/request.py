@@ -309,7 +309,11 @@ class CompletionOutput:
 class RequestOutput:
     """What ``LLM.generate`` returns per prompt (vLLM's shape): ``outputs`` holds the request's
     n samples, index 0..n-1; ``finished`` once all n are. prompt_logprobs (when asked): None
-    for the first prompt token, then one PositionLogprobs per prompt token."""
+    for the first prompt token, then one PositionLogprobs per prompt token. error: why the
+    request failed (its samples' finish reason ``error``); error_param: the request field at
+    fault when it is the request's fault (e.g. ``guided_choice`` for a constraint that can no
+    longer be met), which the HTTP frontend answers as a 400 naming it; None for an engine
+    failure."""
 
     request_id: str
     prompt: str | None
@@ -318,3 +322,4 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error_param: str | None = None

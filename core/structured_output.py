@@ -274,9 +274,10 @@ class StructuredOutputManager:
             reqs[rid].matcher.fill_next_token_bitmask(buf, i)
         return StructuredOutputBatch(ids, buf[:n], rows)
 
-    def accept(self, request_id: str, token_id: int) -> str | None:
+    def accept(self, request_id: str, token_id: int) -> SamplingParamsError | None:
         """Advance the request's matcher; None when the token is allowed (or the request is not
-        constrained), else the error that ends the request."""
+        constrained), else the error that ends the request (returned, not raised: its
+        ``param`` is the constraint's request field, for the HTTP 400)."""
         t = self._requests.get(request_id)
         if t is None or t.matcher.accept_token(token_id):
             return None
@@ -289,4 +290,5 @@ class StructuredOutputManager:
         else:  # e.g. only EOS continues it, and min_tokens masks EOS out
             why = (f"token {token_id} was sampled, which it forbids (every token it allows was "
                    f"masked out, e.g. by min_tokens or logit_bias)")
-        return f"{t.constraint.field}: the constraint cannot be met: {why}"
+        return SamplingParamsError(f"{t.constraint.field}: the constraint cannot be met: {why}",
+                                   t.constraint.field or None)

@@ -58,6 +58,29 @@ def test_bitmask_masks_only_the_constrained_rows():
     assert allowed == [5, 35] and torch.equal(out[1, allowed], logits[1, allowed])
 
 
+@pytest.mark.parametrize("text, ok", [
+    (b'{"a": "abcde"}', True), (b'{"a": ""}', True), (b'{"a": "abcdef"}', False),
+    (b'{"a": "\xe2\x82\xac\xf0\x9f\x98\x80"}', True),  # a 3-byte and a 4-byte character
+    (b'{"a": "\\"\\n\\t\\/\\\\"}', True),  # five escapes: five characters
+    (b'{"a": "\\"\\n\\t\\/\\\\x"}', False),  # six characters
+    (b'{"a": "a\tb"}', False), (b'{"a": "\x01"}', False),  # raw control characters
+    (b'{"a": "\xed\xa0\x80"}', False),  # a UTF-16 surrogate, UTF-8 encoded
+])
+def test_length_bounded_strings_are_json_strings(text, ok):
+    """xgrammar #800: a string with maxLength admitted raw control characters and surrogates
+    (and no escapes); plugins/structured_output/xgrammar_strings.py rewrites its rule."""
+    import xgrammar as xgr
+    from pagebatch.plugins.structured_output.xgrammar_backend import _grammar
+    from pagebatch.structured_output import Constraint
+
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 5}}}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(
+        _grammar(Constraint("json", json.dumps(schema))))
+    m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    assert (m.accept_string(text) and m.is_completed()) is ok
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------
 
 def _gen(llm, prompts, params):
@@ -74,6 +97,27 @@ def test_json_schema_outputs_parse_and_validate(smollm2_llm):
         jsonschema.validate(json.loads(c.text), SCHEMA)
     # compiled once, whatever the number of requests
     assert smollm2_llm.engine.core.structured.num_compiles >= 1
+
+
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["code", "note"],
+           "properties": {"code": {"type": "string", "minLength": 1, "maxLength": 2},
+                          "note": {"type": "string", "maxLength": 4}}}
+# SmolLM2 tokens: a tab, and the bytes ED A0 80 (U+D800 UTF-8 encoded: decoded as 3 U+FFFD)
+TAB, SURROGATE = 197, (184, 250, 218)
+
+
+def test_length_bounded_strings_parse_and_validate_over_seeds(smollm2_llm):
+    """xgrammar #800 end to end: greedy with a logit bias towards a tab (or a surrogate's
+    bytes) took it wherever the grammar let it; now those outputs, and samples over many seeds,
+    all parse and validate."""
+    params = [SamplingParams(temperature=0.0, max_tokens=32, logit_bias={t: 20.0 for t in ts},
+                             structured_outputs=SO(json=BOUNDED)) for ts in ([TAB], SURROGATE)]
+    params += [SamplingParams(temperature=1.2, seed=s, max_tokens=32,
+                              structured_outputs=SO(json=BOUNDED)) for s in range(6)]
+    for out in _gen(smollm2_llm, ["A short code and a note, as JSON:"] * len(params), params):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), BOUNDED)
 
 
 def test_regex_choice_and_json_object(smollm2_llm):
@@ -116,6 +160,7 @@ def test_impossible_constraint_ends_only_its_request(smollm2_llm):
     assert outs[0].outputs[0].token_ids == solo and outs[0].error is None
     assert outs[1].outputs[0].finish_reason == "error"
     assert "structured_outputs.choice" in outs[1].error and "cannot be met" in outs[1].error
+    assert outs[1].error_param == "structured_outputs.choice" and outs[0].error_param is None
     assert outs[1].outputs[0].text == "yes"
 
 
@@ -228,6 +273,60 @@ def test_http_guided_fields(smol_client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def _json_schema(strict):
+    js = {"name": "x", "schema": SMALL}
+    return {"type": "json_schema", "json_schema": js if strict is None else {**js,
+                                                                            "strict": strict}}
+
+
+def _is_small(text):
+    jsonschema.validate(json.loads(text), SMALL)
+    return True
+
+
+# each request field that constrains the output: the body part, and what its output must be
+FIELDS = {
+    "response_format.json_schema": ({"response_format": _json_schema(True)}, _is_small),
+    "response_format.json_schema.strict=false": ({"response_format": _json_schema(False)},
+                                                 _is_small),
+    "response_format.json_schema.no_strict": ({"response_format": _json_schema(None)},
+                                              _is_small),
+    "response_format.json_object": ({"response_format": {"type": "json_object"},
+                                     "max_tokens": 6}, lambda t: t.startswith("{")),
+    "structured_outputs.json": ({"structured_outputs": {"json": SMALL}}, _is_small),
+    "guided_json": ({"guided_json": json.dumps(SMALL)}, _is_small),
+    "guided_regex": ({"guided_regex": "[a-z]{2}-[0-9]{3}"},
+                     lambda t: re.fullmatch("[a-z]{2}-[0-9]{3}", t)),
+    "guided_choice": ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+    "guided_grammar": ({"guided_grammar": 'root ::= "x" [0-9] [0-9]'},
+                       lambda t: re.fullmatch("x[0-9]{2}", t)),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_http_every_constraint_field_on_both_endpoints(smol_vocab_server, field, path, stream):
+    """Each constraint field (strict or not) in chat and completions, streamed or not: the
+    text fits it."""
+    import httpx
+    from http_helpers import KEY, events
+
+    extra, fits = FIELDS[field]
+    prompt = {"messages": MSG} if path.endswith("chat/completions") else {"prompt": "x"}
+    r = httpx.post(smol_vocab_server + path, json={
+        "model": "tiny", "max_tokens": 40, "seed": 2, "stream": stream, **prompt, **extra},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                       for ev in events(r.text) for ch in ev["choices"])
+    else:
+        ch = r.json()["choices"][0]
+        text = ch["text"] if "text" in ch else ch["message"]["content"]
+    assert fits(text), text
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": MSG, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
@@ -237,6 +336,10 @@ def test_http_guided_fields(smol_client):
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "yaml"}},
      "response_format.type"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
+     "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                         "guided_regex": "a"}, "response_format"),
     ("/v1/completions", {"prompt": "x", "guided_json": "{bad"}, "guided_json"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]},
      "guided_choice"),
@@ -253,3 +356,34 @@ def test_http_bad_constraints_are_400_naming_the_field(smol_vocab_server, path, 
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["alpha"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "a"}}}},
+     "response_format.json_schema.schema"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_a_constraint_that_cannot_be_met_is_400_naming_the_field(smol_vocab_server, path,
+                                                                      body, param, stream):
+    """Only EOS may follow the constraint's text and min_tokens masks EOS out: the request
+    ends with a 400 (in a stream: an error event, then [DONE]) whose param names the field,
+    not a 500, and a request after it is served."""
+    import httpx
+    from http_helpers import KEY, events
+
+    def post(extra):
+        return httpx.post(smol_vocab_server + path, json={"model": "tiny", **extra},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    r = post({**body, "max_tokens": 12, "min_tokens": 10, "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        error = events(r.text)[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["param"] == param and "cannot be met" in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    assert post({**body, "max_tokens": 12}).status_code == 200

@@ -120,8 +120,11 @@ def test_a_forbidden_token_is_explained_from_the_matcher_state():
     m.add_request("stuck", _allow())  # nothing allowed: a dead end
     m.add_request("masked", _allow(7))  # 7 allowed, something else sampled
     m.batch(["stuck", "masked"])
-    assert "no token can continue it" in m.accept("stuck", 7)
-    assert "token 9 was sampled, which it forbids" in m.accept("masked", 9)
+    stuck, masked = m.accept("stuck", 7), m.accept("masked", 9)
+    assert "no token can continue it" in str(stuck)
+    assert "token 9 was sampled, which it forbids" in str(masked)
+    # the error names the request field (the HTTP 400's param)
+    assert stuck.param == masked.param == "structured_outputs.regex"
     assert m.accept("masked", 7) is None and m.accept("unconstrained", 9) is None
 
 
@@ -185,3 +188,23 @@ def test_an_id_in_use_is_refused_and_its_matcher_kept(core_llm):
     assert core.structured._requests["r"] is tracked
     assert core.scheduler.requests["r"].prompt_token_ids == [5, 6]
     core.abort_requests(["r"])
+
+
+def test_a_constraint_the_core_process_cannot_compile_names_its_field():
+    """In `pagebatch serve` the engine core runs in its own process: a request it cannot add
+    (its backend refuses to compile the constraint) ends with an error output that keeps the
+    field (the HTTP frontend's 400 param), and the loop goes on."""
+    from pagebatch.core_proc import CoreBusyLoop
+    from pagebatch.errors import SamplingParamsError
+
+    class Core:
+        has_work = False
+
+        def add_request(self, r):
+            raise SamplingParamsError("guided_json cannot be compiled: no", "guided_json")
+
+    loop = CoreBusyLoop(Core())
+    loop.inbox.put(EngineCoreRequest("r", [5], SamplingParams(), frozenset(), 0))
+    (out,) = loop.run_once(timeout=0)
+    assert (out.request_id, out.finish_reason, out.error_param) == ("r", "error", "guided_json")
+    assert "cannot be compiled" in out.error

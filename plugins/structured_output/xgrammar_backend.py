@@ -4,7 +4,8 @@ Efficient Structured Generation Engine for Large Language Models", 2024), as vLL
 Constraints compile with xgrammar's `GrammarCompiler` (its own cache too) against a
 `TokenizerInfo` of the model's Hugging Face tokenizer; each request gets a `GrammarMatcher`.
 JSON is compiled with ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``): compact
-JSON, so a small model cannot loop on whitespace. A choice list is the regex of its
+JSON, so a small model cannot loop on whitespace; strings with minLength / maxLength get a
+JSON-correct character rule (xgrammar issue #800, xgrammar_strings.py). A choice list is the regex of its
 alternatives, each escaped. xgrammar is imported on first use, so loading this plugin (every
 start does) costs nothing where no request asks for structured output, and a machine without
 xgrammar starts quietly.
@@ -23,6 +24,8 @@ from pagebatch.errors import SamplingParamsError
 from pagebatch.hookspecs import hookimpl
 from pagebatch.structured_output import Constraint, StructuredOutputBackend
 
+from .xgrammar_strings import fix_bounded_strings
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
@@ -39,8 +42,8 @@ def _choice_regex(spec: str) -> str:
 
 def _grammar(c: Constraint) -> xgr.Grammar:
     """The constraint as an uncompiled xgrammar Grammar (no tokenizer needed)."""
-    if c.kind == "json":
-        return _xgr().Grammar.from_json_schema(c.spec, any_whitespace=False)
+    if c.kind == "json":  # length-bounded strings fixed (xgrammar #800: xgrammar_strings.py)
+        return fix_bounded_strings(_xgr().Grammar.from_json_schema(c.spec, any_whitespace=False))
     if c.kind == "json_object":
         return _xgr().Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if c.kind == "regex":

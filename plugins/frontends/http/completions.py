@@ -14,7 +14,7 @@ from pagebatch.request import CompletionOutput, RequestOutput
 
 from . import protocol as proto
 from . import schemas, tool_calls
-from .errors import as_api_error, error_response, new_id
+from .errors import as_api_error, error_response, new_id, request_failed
 from .streams import EventStreamResponse, merge, sse, until_disconnected
 from .tool_calls import ToolCallStream
 from .tools import template_messages
@@ -137,7 +137,7 @@ class Completions:
         finals = [r.final for r in tracker.requests]
         for out in finals:
             if out.error is not None:
-                raise RuntimeError(f"the request failed in the engine: {out.error}")
+                raise request_failed(out)
         return finals  # type: ignore[return-value]
 
     def _echo_text(self, out: RequestOutput) -> str:
@@ -181,7 +181,7 @@ class Completions:
             async for i, out in merge(streams):
                 tracker.seen(i, out)
                 if out.error is not None:
-                    raise RuntimeError(f"the request failed in the engine: {out.error}")
+                    raise request_failed(out)
                 for c in out.outputs:
                     idx = i * n + c.index
                     ch = choices.get(idx)
@@ -301,7 +301,7 @@ class Completions:
             async for _, out in merge(streams):
                 tracker.seen(0, out)
                 if out.error is not None:
-                    raise RuntimeError(f"the request failed in the engine: {out.error}")
+                    raise request_failed(out)
                 for c in out.outputs:
                     ch = choices.get(c.index)
                     if ch is None:

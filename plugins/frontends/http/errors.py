@@ -2,7 +2,8 @@
 mapped to OpenAI error responses, and response ids. A leaf: it imports neither of them.
 
 `as_api_error`: input errors (`ApiError`, `InvalidRequestError`) 400 or their own status, a dead
-engine 503, anything else 500 (logged); `error_response`: the JSON body
+engine 503, anything else 500 (logged); `request_failed`: the exception of a request the engine
+ended with an error (a 400 naming the field when it was the request's fault); `error_response`: the JSON body
 ``{"error": {"message", "type", "param", "code"}}`` at that status; `new_id`: ``KIND-<32 hex>``.
 """
 
@@ -14,6 +15,7 @@ import uuid
 from starlette.responses import JSONResponse
 
 from pagebatch.errors import EngineDeadError, InvalidRequestError
+from pagebatch.request import RequestOutput
 
 from .protocol import ApiError
 
@@ -34,6 +36,15 @@ def as_api_error(e: BaseException) -> ApiError:
         return ApiError(503, str(e), type="service_unavailable", code="engine_dead")
     logger.exception("request failed")
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error")
+
+
+def request_failed(out: RequestOutput) -> Exception:
+    """The error to answer for ``out``, a request that failed in the engine (``out.error``
+    set): ApiError 400 whose param is ``out.error_param`` when the request was at fault (a
+    constraint that cannot be compiled or can no longer be met), else a RuntimeError (a 500)."""
+    if out.error_param is not None:
+        return ApiError(400, out.error, param=out.error_param)
+    return RuntimeError(f"the request failed in the engine: {out.error}")
 
 
 def new_id(kind: str) -> str:

@@ -127,6 +127,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}")
 
 
 class CompletionRequest(_Common):
@@ -148,7 +150,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(

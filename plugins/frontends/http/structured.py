@@ -2,11 +2,12 @@
 
 Accepted (at most one per request): ``structured_outputs`` (an object with one of ``json``,
 ``json_object``, ``regex``, ``choice``, ``grammar``), vLLM's older ``guided_json`` /
-``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and in chat completions OpenAI's
-``response_format`` (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type":
-"json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``; ``strict`` is
-accepted either way: the schema is always enforced). Each constraint remembers the field it
-came from, so that a 400 for a schema the backend cannot compile names that field.
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and OpenAI's ``response_format``
+(``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+{"name": ..., "schema": {...}, "strict": ...}}``; ``strict`` is accepted either way: the schema
+is always enforced), in chat completions and, as vLLM's server takes it, in completions. Each
+constraint remembers the field it came from, so that a 400 for a schema the backend cannot
+compile names that field.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}
 
 
-def structured_outputs(body: dict[str, Any], chat: bool) -> StructuredOutputsParams | None:
+def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
     """The request's constraint, or None. Raises SamplingParamsError (a 400) naming the field
     for a malformed one (the compile check is the engine's, and names the same field)."""
     found: list[StructuredOutputsParams] = []
@@ -43,10 +44,9 @@ def structured_outputs(body: dict[str, Any], chat: bool) -> StructuredOutputsPar
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
             found.append(StructuredOutputsParams(**{kind: body[name]}, origin=name))
-    if chat:
-        rf = _response_format(body.get("response_format"))
-        if rf is not None:
-            found.append(rf)
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
     if len(found) > 1:
         raise bad(f"{found[0].origin} and {found[1].origin} both constrain the output; give "
                   f"one", found[1].origin)
