@@ -174,7 +174,7 @@ def completion_request(body: dict[str, Any], max_prompts: int, max_n: int,
                       "max_tokens")
         max_tokens = 1  # one token is computed and dropped
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
-    params.structured_outputs = structured_outputs(body, chat=False)
+    params.structured_outputs = structured_outputs(body)
     if echo and logprobs is not None:
         params.prompt_logprobs = logprobs
     opts = dict(echo=echo, score_only=score_only, priority=priority, **_stream_opts(body))
@@ -244,7 +244,7 @@ def chat_request(body: dict[str, Any], max_n: int, defaults: dict[str, Any] | No
                       f"[0, {MAX_LOGPROBS}]", "top_logprobs")
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, max_n, defaults)
-    params.structured_outputs = structured_outputs(body, chat=True)
+    params.structured_outputs = structured_outputs(body)
     tools = tool_request(body, auto_tools, exclude_tools_when_none)
     forced = tools.constraint() if tools is not None else None
     if forced is not None:

@@ -2,8 +2,8 @@
 
 Accepted (at most one per request): ``structured_outputs`` (an object with one of ``json``,
 ``json_object``, ``regex``, ``choice``, ``grammar``), vLLM's older ``guided_json`` /
-``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and in chat completions OpenAI's
-``response_format`` (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type":
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and OpenAI's ``response_format``
+(on both endpoints, as vLLM's) (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type":
 "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``; ``strict`` is
 accepted either way: the schema is always enforced). Each constraint remembers the field it
 came from, so that a 400 for a schema the backend cannot compile names that field.
@@ -24,7 +24,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}
 
 
-def structured_outputs(body: dict[str, Any], chat: bool) -> StructuredOutputsParams | None:
+def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
     """The request's constraint, or None. Raises SamplingParamsError (a 400) naming the field
     for a malformed one (the compile check is the engine's, and names the same field)."""
     found: list[StructuredOutputsParams] = []
@@ -43,10 +43,9 @@ def structured_outputs(body: dict[str, Any], chat: bool) -> StructuredOutputsPar
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
             found.append(StructuredOutputsParams(**{kind: body[name]}, origin=name))
-    if chat:
-        rf = _response_format(body.get("response_format"))
-        if rf is not None:
-            found.append(rf)
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
     if len(found) > 1:
         raise bad(f"{found[0].origin} and {found[1].origin} both constrain the output; give "
                   f"one", found[1].origin)
@@ -66,6 +65,11 @@ def _response_format(rf: Any) -> StructuredOutputsParams | None:
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad("response_format json_schema needs json_schema.schema, a JSON schema "
                       f"object, got {js!r:.100}", "response_format.json_schema.schema")
+        for key, types, what in (("name", str, "a string"), ("description", str, "a string"),
+                                 ("strict", bool, "a boolean")):
+            if js.get(key) is not None and not isinstance(js[key], types):
+                raise bad(f"response_format.json_schema.{key} must be {what}, got "
+                          f"{js[key]!r:.50}", f"response_format.json_schema.{key}")
         return StructuredOutputsParams(json=js["schema"],
                                        origin="response_format.json_schema.schema")
     raise bad("response_format.type must be 'text', 'json_object' or 'json_schema', got "
