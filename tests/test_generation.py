@@ -554,3 +554,13 @@ def test_stop_strings_are_bounded():
         with pytest.raises(SamplingParamsError, match="at most") as e:
             SamplingParams(stop=stop).validate()
         assert len(str(e.value)) < 400
+
+
+def test_chat_defaults_max_tokens_to_the_rest_of_the_context(tiny_llm):
+    """LLM.chat without sampling params, as chat completions: max_tokens is what the context
+    leaves (it was SamplingParams' 16)."""
+    out = tiny_llm.chat([{"role": "user", "content": "w5"}], use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" or (
+        len(out.prompt_token_ids) + len(c.token_ids) == tiny_llm.engine.max_model_len), (
+        len(c.token_ids), c.finish_reason)
