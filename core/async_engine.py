@@ -37,6 +37,23 @@ _STEP_WAIT_S = 0.2  # the output thread's longest wait for the core, between shu
 # Threads that tokenize and apply chat templates, off the event loop (work that scales with the
 # input); bounded, so that many large bodies queue here instead of taking every core.
 TOKENIZER_THREADS = 2
+# Text up to this many characters (a conversation: in all, in at most INLINE_MESSAGES messages,
+# without tools) is tokenized on the event loop (well under a millisecond), so that small
+# requests never queue behind large ones on the tokenizer threads.
+INLINE_CHARS = 2048
+INLINE_MESSAGES = 16
+
+
+def _small_chat(messages: Any, tools: Any) -> bool:
+    if tools or not isinstance(messages, list) or len(messages) > INLINE_MESSAGES:
+        return False
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if content is not None and not isinstance(content, str):
+            return False
+        total += len(content or "") + sum(len(str(v)) for k, v in m.items() if k != "content")
+    return total <= INLINE_CHARS
 
 
 @dataclass
@@ -111,13 +128,17 @@ class AsyncEngine:
         max_tokens = params.max_tokens if params is not None else None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             max_tokens = None  # validate() words a bad value, under the lock
-        ids = await self.run_off_loop(self.engine.tokenize_text, text, max_tokens)
+        ids = (self.engine.tokenize_text(text, max_tokens) if len(text) <= INLINE_CHARS
+               else await self.run_off_loop(self.engine.tokenize_text, text, max_tokens))
         rest = prompt if isinstance(prompt, dict) else {}
         return {**rest, "prompt": text, "prompt_token_ids": ids}
 
     async def chat_prompt(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
                           tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """`LLMEngine.chat_prompt` (the chat template, then tokenization) on a worker thread."""
+        """`LLMEngine.chat_prompt` (the chat template, then tokenization) on a worker thread
+        (a small conversation: here, see INLINE_CHARS)."""
+        if _small_chat(messages, tools):
+            return self.engine.chat_prompt(messages, max_tokens, tools)
         return await self.run_off_loop(self.engine.chat_prompt, messages, max_tokens, tools)
 
     async def run_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -21,11 +21,12 @@ class BlockHash:
     tests/test_prefix_cache.py). The comparison is one tuple of block_size ints per hit block.
     """
 
-    __slots__ = ("digest", "parent", "token_ids", "extra")
+    __slots__ = ("digest", "parent", "token_ids", "extra", "prev")
 
     def __init__(self, digest: bytes, parent: bytes | None, token_ids: tuple[int, ...],
-                 extra: bytes = b"") -> None:
+                 extra: bytes = b"", prev: "BlockHash | None" = None) -> None:
         self.digest, self.parent, self.token_ids, self.extra = digest, parent, token_ids, extra
+        self.prev = prev  # the parent block's key: a windowed hit checks the blocks before it
 
     def __hash__(self) -> int:
         return hash(self.digest)
@@ -50,7 +51,20 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     """The key of a block: SHA-256 over (parent digest, token ids, extra keys), the root parent
     a random seed, with its preimage (`BlockHash`)."""
     p = parent.digest if parent is not None else None
-    return BlockHash(_digest(p, token_ids, extra), p, tuple(token_ids), extra)
+    return BlockHash(_digest(p, token_ids, extra), p, tuple(token_ids), extra, parent)
+
+
+def same_prefix(cached: "BlockHash | None", hashes: Sequence[BlockHash], i: int) -> bool:
+    """Whether the blocks before ``cached`` (the key of a cached block that a lookup matched
+    to ``hashes[i]``) hold ``hashes[:i]``'s token ids and extra keys: a sliding-window hit looks
+    up only the blocks inside the window, so the ones before it are compared here, through
+    the keys' ``prev`` links (one tuple compare per block), not trusted by digest."""
+    node = cached.prev if cached is not None else None
+    for j in range(i - 1, -1, -1):
+        if node is None or node.token_ids != hashes[j].token_ids or node.extra != hashes[j].extra:
+            return False
+        node = node.prev
+    return node is None
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,

@@ -103,15 +103,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt, params.max_tokens)
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
-        n, limit = len(ids), self.max_model_len
-        if params.max_tokens is None:
-            if n >= limit:
-                raise ContextLengthError(f"prompt has {n} tokens; max_model_len={limit} leaves "
-                                         f"no room for output")
-        elif n + params.max_tokens > limit:
-            raise ContextLengthError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{n + params.max_tokens} exceeds max_model_len={limit}")
+        self._check_length(len(ids), params.max_tokens)
         bad = [(i, t) for i, t in enumerate(ids) if not (0 <= t < self.vocab_size)]
         if bad:
             i, t = bad[0]
@@ -181,6 +173,18 @@ class LLMEngine:
                                       "{'prompt_token_ids': [...]}")
         return tokenize_within(self.tokenizer, text, self.max_model_len, max_tokens) if text else []
 
+    def _check_length(self, n: int, max_tokens: int | None) -> None:
+        """ContextLengthError unless a prompt of ``n`` tokens and ``max_tokens`` fit."""
+        limit = self.max_model_len
+        if max_tokens is None:
+            if n >= limit:
+                raise ContextLengthError(f"prompt has {n} tokens; max_model_len={limit} leaves "
+                                         f"no room for output")
+        elif n + max_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                f"{n + max_tokens} exceeds max_model_len={limit}")
+
     def _tokenize(self, prompt: PromptType,
                   max_tokens: int | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -188,6 +192,8 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (list, tuple)):  # the length before a scan of every id
+                    self._check_length(len(ids), max_tokens)
                 if not isinstance(ids, (list, tuple)) or not all(
                         isinstance(t, int) and not isinstance(t, bool) for t in ids):
                     raise InvalidRequestError("prompt_token_ids must be a list of integers")

@@ -51,5 +51,12 @@ class InvalidTokenError(InvalidRequestError):
     """A prompt token id is outside the vocabulary."""
 
 
+class RequestFailedError(PagebatchError, RuntimeError):
+    """A fault on the server's side (e.g. a plugin raised) ended one request, not the engine:
+    not the user's error, so no ``param`` (an HTTP 500)."""
+
+    param: str | None = None
+
+
 class EngineDeadError(PagebatchError, RuntimeError):
     """The engine core stopped; pending requests cannot complete."""

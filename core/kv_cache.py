@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .block_hash import BlockHash
+from .block_hash import BlockHash, same_prefix
 from .kv_window import cdiv, max_blocks_held, num_skipped_blocks, window_hit
 
 @dataclass(eq=False)
@@ -259,7 +259,10 @@ class KVCacheManager:
         if self.sliding_window is not None:  # looks up only the blocks a hit can use
             n, found = window_hit(lambda i: self.pool.lookup(block_hashes[i]), limit,
                                   self.sliding_window, self.block_size)
-            return [self.null_block] * (n - len(found)) + found
+            skipped = n - len(found)
+            if found and not same_prefix(found[0].block_hash, block_hashes, skipped):
+                return []  # the blocks before the window differ (digests that collide)
+            return [self.null_block] * skipped + found
         hits = []
         for h in block_hashes[:limit]:
             b = self.pool.lookup(h)

@@ -79,8 +79,14 @@ class LLM:
         model's chat template (vLLM's ``LLM.chat``). ``tools``: OpenAI tool objects the template
         renders; ``chat_template``: a template file path or text used instead (the engine key
         of the same name sets it for every call). Tool calls in the output are text here: the
-        HTTP server's parser turns them into ``tool_calls`` (docs/serving.md)."""
+        HTTP server's parser turns them into ``tool_calls`` (docs/serving.md). Without
+        ``sampling_params``, max_tokens is the rest of the context (as chat completions; the
+        model's generation_config may cap it)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if sampling_params is None:  # as chat completions: up to the rest of the context
+            sampling_params = self.engine.default_sampling_params()
+            if "max_tokens" not in self.engine.sampling_defaults:
+                sampling_params.max_tokens = None
         template = read_chat_template(chat_template) if chat_template else None
         prompts = [self.engine.chat_prompt(c, tools=tools, chat_template=template)
                    for c in convs]

@@ -51,14 +51,17 @@ class StopStrings:
         """How much of ``text`` (already checked, no match) may be shown: all but the longest
         tail that is the beginning of some stop string (with include_stop_str_in_output
         everything: a match is shown anyway)."""
-        if self.include_in_output:
+        if self.include_in_output or not text:
             return len(text)
-        hold = 0
+        hold, last = 0, text[-1]
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text) - self.committed), hold, -1):
-                if text.endswith(s[:k]):
+            k = min(len(s) - 1, len(text) - self.committed)
+            while k > hold:  # only the k whose prefix s[:k] ends in text's last character
+                k = s.rfind(last, 0, k) + 1
+                if k > hold and text.endswith(s[:k]):
                     hold = k
                     break
+                k -= 1
         return len(text) - hold
 
 

@@ -24,6 +24,10 @@ GREEDY_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# Stop strings are searched in the new text of every step (core/output.py), so their number and
+# length bound that work per token (OpenAI's API takes at most 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 def _is_int(x: Any) -> bool:
@@ -83,7 +87,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, limit: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name}={getattr(self, name)!r} is invalid: {limit}",
+            return SamplingParamsError(f"{name}={getattr(self, name)!r:.200} is invalid: {limit}",
                                        name)
 
         if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
@@ -112,6 +116,11 @@ class SamplingParams:
         if not isinstance(self.stop, (str, list, tuple, type(None))) or not all(
                 isinstance(s, str) and s for s in self.stop_strings):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise bad("stop", f"must be at most {MAX_STOP_STRINGS} strings of at most "
+                              f"{MAX_STOP_STRING_CHARS} characters each (got {len(stops)}, "
+                              f"the longest {max(map(len, stops))})")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
@@ -119,8 +128,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
                 raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be None or an integer")
+        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**63):
+            raise bad("seed", "must be None or a 64-bit integer (in [-2^63, 2^63))")
         so = self.structured_outputs
         if isinstance(so, dict):
             try:

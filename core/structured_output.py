@@ -38,7 +38,7 @@ from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from .errors import SamplingParamsError
+from .errors import RequestFailedError, SamplingParamsError
 
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -217,6 +217,7 @@ class StructuredOutputManager:
         self.max_num_seqs = max_num_seqs
         self._compiled: dict[Constraint, Any] = {}
         self._requests: dict[str, TrackedRequest] = {}
+        self._faults: dict[str, RequestFailedError] = {}  # request id -> the error its matcher raised
         self._bitmask: np.ndarray | None = None  # int32 [rows, bitmask_width(vocab_size)]
         self.num_compiles = 0  # for tests: distinct constraints compiled
 
@@ -255,6 +256,7 @@ class StructuredOutputManager:
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
+            self._faults.pop(rid, None)
 
     def batch(self, sampled_ids: list[str]) -> StructuredOutputBatch | None:
         """The bitmask of the constrained requests among ``sampled_ids`` (the step's rows that
@@ -271,16 +273,35 @@ class StructuredOutputManager:
                                             bitmask_width(self.vocab_size)), dtype=np.int32)
         ids = [sampled_ids[i] for i in rows]
         for i, rid in enumerate(ids):
-            reqs[rid].matcher.fill_next_token_bitmask(buf, i)
+            try:
+                reqs[rid].matcher.fill_next_token_bitmask(buf, i)
+            except Exception as e:  # the backend failed this request alone: it ends with
+                buf[i] = -1  # an error when its token is accepted; the step goes on
+                self._faults[rid] = self._fault(reqs[rid], e)
         return StructuredOutputBatch(ids, buf[:n], rows)
 
-    def accept(self, request_id: str, token_id: int) -> SamplingParamsError | None:
+    @staticmethod
+    def _fault(t: "TrackedRequest", e: Exception) -> RequestFailedError:
+        return RequestFailedError(f"{t.constraint.field}: the structured output backend failed: "
+                                  f"{type(e).__name__}: {e}")
+
+    def accept(self, request_id: str, token_id: int
+               ) -> SamplingParamsError | RequestFailedError | None:
         """Advance the request's matcher; None when the token is allowed (or the request is not
-        constrained), else the error that ends the request (returned, not raised: its
-        ``param`` is the constraint's request field, for the HTTP 400)."""
+        constrained), else the error that ends the request (returned, not raised): a SamplingParamsError whose
+        ``param`` is the constraint's request field (an HTTP 400) when the constraint cannot be
+        met, a RequestFailedError when the backend raised."""
         t = self._requests.get(request_id)
-        if t is None or t.matcher.accept_token(token_id):
+        if t is None:
             return None
+        fault = self._faults.pop(request_id, None)
+        if fault is not None:
+            return fault
+        try:
+            if t.matcher.accept_token(token_id):
+                return None
+        except Exception as e:
+            return self._fault(t, e)
         # only now is a bitmask read on the host: the matcher did not move (it rejected the
         # token), so its mask now is the one this step sampled under
         row = np.empty((1, bitmask_width(self.vocab_size)), dtype=np.int32)

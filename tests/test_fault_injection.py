@@ -189,3 +189,22 @@ def test_serve_startup_error_exits_nonzero_with_the_cause(tmp_path):
     assert r.returncode != 0
     assert str(missing) in r.stderr and "not found" in r.stderr.lower(), r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]  # a message, not a crash
+
+
+@pytest.mark.parametrize("where", ["fill_next_token_bitmask", "accept_token"])
+def test_structured_output_fault_fails_its_request_alone(inproc, monkeypatch, where):
+    """A structured output backend (the plugin that masks the logits) that raises for one
+    request's matcher fails that request with an error naming the field; the others finish."""
+    from pagebatch.plugins.structured_output.xgrammar_backend import _Matcher
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("injected matcher fault")
+
+    monkeypatch.setattr(_Matcher, where, broken)
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 6]]
+    params = [_params(), _params(structured_outputs={"regex": "(w[0-9]+ ?)+"}), _params()]
+    finals = asyncio.run(_run(inproc, prompts, params))
+    _assert_only_poisoned_failed(finals, {1}, "injected matcher fault")
+    assert "structured_outputs.regex" in finals[1].error
+    inproc.check_health()
+    assert not inproc.engine._states and not inproc.engine.core.core.scheduler.requests

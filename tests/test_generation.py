@@ -522,3 +522,45 @@ def test_cli_generate_batches_several_prompts_and_prints_each(tiny_model_dir, ca
     assert main(common + ["--prompt", "w5 w6", "--prompt", "w7"]) == 0
     assert capsys.readouterr().out == alone[0] + alone[1]
     assert len(steps) <= 4 + 1  # both decode in the same steps, not one after the other
+
+
+def test_held_back_tail_is_the_longest_stop_string_prefix():
+    """StopStrings.visible against the definition (the longest tail of the uncommitted text that
+    begins some stop string), on texts and stop strings over a small alphabet."""
+    import random
+
+    from pagebatch.output import StopStrings
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 8)))
+        s = StopStrings(stops, include_in_output=False)
+        s.committed = rng.randint(0, len(text))
+        hold = max([k for st in stops for k in range(1, min(len(st) - 1, len(text) - s.committed)
+                                                     + 1) if text.endswith(st[:k])], default=0)
+        assert s.visible(text) == len(text) - hold, (stops, text, s.committed)
+
+
+def test_stop_strings_are_bounded():
+    """Stop strings are searched every step: their number and length are limited (a 400)."""
+    from pagebatch.errors import SamplingParamsError
+    from pagebatch.request import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS).validate()
+    SamplingParams(stop="x" * MAX_STOP_STRING_CHARS).validate()
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["y", "x" * (MAX_STOP_STRING_CHARS + 1)]):
+        with pytest.raises(SamplingParamsError, match="at most") as e:
+            SamplingParams(stop=stop).validate()
+        assert len(str(e.value)) < 400
+
+
+def test_chat_defaults_max_tokens_to_the_rest_of_the_context(tiny_llm):
+    """LLM.chat without sampling params, as chat completions: max_tokens is what the context
+    leaves (it was SamplingParams' 16)."""
+    out = tiny_llm.chat([{"role": "user", "content": "w5"}], use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" or (
+        len(out.prompt_token_ids) + len(c.token_ids) == tiny_llm.engine.max_model_len), (
+        len(c.token_ids), c.finish_reason)

@@ -6,7 +6,8 @@ path, ``QuantLinear.forward`` on an identity; near-tie rule, tests/numerics.py).
 Layouts: ``shared``, one act-order permutation per layer input (q/k/v share one, gate/up one:
 GPTQ's order comes from the Hessian of the input), which keeps the fast path (one ``perm`` per
 layer); ``per_shard``, every projection its own permutation (shards calibrated apart, legal in
-the format), which loads through the per-shard fallback (``shard_orders``, quant/wna16.py).
+the format), which loads through the per-shard fallback (``shard_orders``, quant/wna16.py); ``mixed``, some
+shards of a fused layer sharing a permutation and others not (the fallback too).
 Sym and asym grids (v1 format: zero points stored minus one), group sizes 32, 64 and 128 on a
 tiny Llama of hidden size 128 (intermediate 256).
 """
@@ -87,8 +88,8 @@ def _write(base: Path, dst: Path, qlinear_ref, group_size: int, sym: bool, layou
             quant[name] = deq[name] = t
             continue
         prefix = name.removesuffix(".weight")
-        key = prefix if layout == "per_shard" else (
-            prefix.rsplit(".", 1)[0] + FUSED.get(proj, proj))
+        own = layout == "per_shard" or (layout == "mixed" and proj in ("v_proj", "up_proj"))
+        key = prefix if own else prefix.rsplit(".", 1)[0] + FUSED.get(proj, proj)
         k = t.shape[1]
         if key not in perms:
             perms[key] = (torch.arange(k, dtype=torch.int32) // group_size)[
@@ -108,9 +109,11 @@ def _write(base: Path, dst: Path, qlinear_ref, group_size: int, sym: bool, layou
     return dst / "quant", dst / "deq", deq
 
 
-@pytest.mark.parametrize("layout", ["shared", "per_shard"])
-@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("group_size,sym,layout", [
+    *((g, sym, layout) for layout in ("shared", "per_shard") for sym in (True, False)
+      for g in (32, 64, 128)),
+    (64, False, "mixed"),  # q and k share a permutation, v its own (gate one, up another)
+])
 def test_autogptq_act_order_greedy_equals_reference(base_dir, tmp_path, qlinear_ref,
                                                     group_size, sym, layout):
     from transformers import AutoModelForCausalLM

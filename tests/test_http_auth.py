@@ -53,3 +53,36 @@ def test_two_authorization_headers_are_refused():
     r = c.post("/v1/models", headers=[("Authorization", "Bearer wrong"),
                                       ("Authorization", f"Bearer {KEY}")])
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("metrics", [False, True])
+def test_every_route_of_the_app_follows_the_rule(metrics):
+    """The real route table (build_app): a route is open only if docs/serving.md says so, so a
+    route added later is keyed or documented as open, never open by accident."""
+    from types import SimpleNamespace
+
+    from pagebatch.plugins.frontends.http.server import Settings, build_app
+
+    class Engine:  # no request gets past the key, so nothing else is called
+        engine = SimpleNamespace(max_model_len=16, tokenizer=None, sampling_defaults={},
+                                 vocab_size=10)
+        core_stats = None
+
+        def add_stats_listener(self, listener):
+            pass
+
+        def check_health(self):
+            pass
+
+    app = build_app(Engine(), SimpleNamespace(model="m"),
+                    Settings(api_key=KEY, metrics_require_api_key=metrics))
+    open_paths = {"/health", "/version", "/openapi.json"} | (set() if metrics else {"/metrics"})
+    c = TestClient(app)
+    seen = set()
+    for route in app.routes:
+        for method in route.methods - {"HEAD"}:
+            r = c.request(method, route.path)
+            assert (r.status_code == 401) == (route.path not in open_paths), (method, route.path)
+            seen.add(route.path)
+    assert seen >= open_paths | {"/tokenize", "/detokenize", "/v1/completions"}
+    assert c.get("/no-such-route").status_code != 200

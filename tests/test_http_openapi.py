@@ -98,3 +98,32 @@ def test_openapi_fuzz(base):
     print(statuses)
     # the generated bodies reach the engine, not only the validation
     assert all(200 in codes for codes in statuses.values()), statuses
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "w5", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "w5", "seed": -2**63 - 1}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w4"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": 5, "schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w4"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ("/v1/completions", {"prompt": "w5", "response_format": {"type": "yaml"}},
+     "response_format.type"),  # taken on completions too (as vLLM), not ignored
+    ("/tokenize", {"prompt": "w5", "messages": [{"role": "user", "content": "w4"}]},
+     "messages"),
+])
+def test_values_no_longer_coerced_or_ignored(http, path, body, param):
+    r = http.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_seed_range_edges(http):
+    for seed in (2**63 - 1, -2**63):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "max_tokens": 1,
+                                               "seed": seed})
+        assert r.status_code == 200, r.text

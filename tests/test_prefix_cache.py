@@ -333,3 +333,24 @@ def test_property_shared_prefixes_never_change_outputs(specs, num_blocks, chunke
     for r, _ in reqs:
         if r.finish_reason.value in ("length", "stop"):
             assert r.output_token_ids == reference_outputs(r)[0], r.request_id
+
+
+def test_a_forced_collision_before_the_window_is_a_miss(monkeypatch):
+    """A sliding-window lookup reads only the blocks inside the window; the blocks before them
+    are compared through the keys' links, so a prompt that differs there (every digest the
+    same) gets no hit, and one that does not gets its hit."""
+    from pagebatch import block_hash
+
+    monkeypatch.setattr(block_hash, "_digest", lambda parent, token_ids, extra: b"\0" * 32)
+    kv = KVCacheManager(64, 4, enable_caching=True, sliding_window=4)
+    toks = list(range(32))
+    a = []
+    extend_block_hashes(a, toks, 4)
+    kv.allocate_slots("a", 32, (), a)
+    other = []
+    extend_block_hashes(other, [99] * 16 + toks[16:], 4)
+    assert kv.get_computed_blocks(other, 32) == []
+    same = []
+    extend_block_hashes(same, toks, 4)
+    hit = kv.get_computed_blocks(same, 32)
+    assert len(hit) == 7 and hit[-1].block_id == kv.block_ids("a")[6]

@@ -81,15 +81,30 @@ class Completions:
 
     # ---- /v1/completions ----------------------------------------------------------------------
 
+    def _completion_body(self, body: dict[str, Any]) -> tuple:
+        """A checked /v1/completions body's prompts, params and options (on a worker thread
+        when the body is large, see `Server.read_json`)."""
+        s = self.s
+        s.check_model_and_user(body)
+        return proto.completion_request(body, s.settings.max_prompts_per_request,
+                                        s.settings.max_n_per_request, s.sampling_defaults)
+
+    def _chat_body(self, body: dict[str, Any]) -> tuple:
+        """A checked chat body's messages (as the template takes them), params and options."""
+        s = self.s
+        s.check_model_and_user(body)
+        messages, params, opts = proto.chat_request(
+            body, s.settings.max_n_per_request, s.sampling_defaults,
+            auto_tools=s.settings.enable_auto_tool_choice and s.tool_parser is not None,
+            exclude_tools_when_none=s.settings.exclude_tools_when_tool_choice_none)
+        return template_messages(messages), params, opts
+
     async def completions(self, request: Request) -> Response:
         s = self.s
         try:
             s.check_accepting()
-            body = await s.read_json(request, schemas.CompletionRequest)
-            s.check_model_and_user(body)
-            prompts, params, opts = proto.completion_request(
-                body, s.settings.max_prompts_per_request, s.settings.max_n_per_request,
-                s.sampling_defaults)
+            prompts, params, opts = await s.read_json(request, schemas.CompletionRequest,
+                                                      self._completion_body)
             rid = new_id("cmpl")
             rids, streams = await s.start(prompts, params, opts["priority"], rid)
         except Exception as e:
@@ -234,19 +249,15 @@ class Completions:
         s = self.s
         try:
             s.check_accepting()
-            body = await s.read_json(request, schemas.ChatCompletionRequest)
-            s.check_model_and_user(body)
-            messages, params, opts = proto.chat_request(
-                body, s.settings.max_n_per_request, s.sampling_defaults,
-                auto_tools=s.settings.enable_auto_tool_choice and s.tool_parser is not None,
-                exclude_tools_when_none=s.settings.exclude_tools_when_tool_choice_none)
+            messages, params, opts = await s.read_json(request, schemas.ChatCompletionRequest,
+                                                       self._chat_body)
             tools = opts["tools"]
             opts["tool_parser"] = tool_calls.output_parser(tools, s.tool_parser)
             if opts["tool_parser"] is not None:
                 opts["tool_parser"].adjust_request(params)
             try:
                 prompt = await s.engine.chat_prompt(
-                    template_messages(messages), params.max_tokens,
+                    messages, params.max_tokens,
                     tools.render if tools is not None else None)
             except proto.ApiError:
                 raise

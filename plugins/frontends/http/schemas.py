@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pagebatch.request import MAX_LOGPROBS
 
@@ -113,7 +113,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias")
     stop: Stop | None = Field(None, description="a string or a list of strings")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63, description="a 64-bit integer")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM's extensions
@@ -195,10 +195,8 @@ def _described(model: type[BaseModel], field: str) -> str | None:
 def validate(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
     """``body`` unchanged when it fits ``model``; else ApiError 400 whose message names the
     field (its path), what it must be and the value given, and whose param is the path."""
-    try:
-        model.model_validate(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
+    errors = _errors(model, body)
+    if errors:
         top = errors[0]["loc"][0] if errors[0]["loc"] else None
         union = sum(1 for err in errors if err["loc"][:1] == (top,)) > 1
         desc = _described(model, top) if isinstance(top, str) else None
@@ -214,6 +212,69 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
         given = f", got {here[0]['input']!r:.100}" if here[0]["type"] != "missing" else ""
         raise ApiError(400, f"{path or 'body'}: {what}{given}", param=path or None) from None
     return body
+
+
+# Items per pydantic call for long lists of messages and content parts: a call holds the GIL
+# throughout (about 15 us an item), so 100k messages in one call would stall the event loop for
+# seconds even from a worker thread; between calls the other threads run.
+_CHUNK = 64
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_PARTS = TypeAdapter(list[TextPart])
+_TOOLS = TypeAdapter(list[Tool])
+
+
+def _errors(model: type[BaseModel], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """pydantic's errors of ``body`` against ``model`` ([] when it fits); long ``messages``,
+    content-part and ``tools`` lists are checked in pieces of _CHUNK items."""
+    msgs = body.get("messages") if "messages" in model.model_fields else None
+    long = isinstance(msgs, list) and (len(msgs) > _CHUNK or any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and len(m["content"]) > _CHUNK for m in msgs))
+    tools = body.get("tools") if "tools" in model.model_fields else None
+    many_tools = isinstance(tools, list) and len(tools) > _CHUNK
+    if not (long or many_tools):
+        return _try(model.model_validate, body, ())
+    shallow = {**body, **({"messages": [{"role": "user"}]} if long else {}),
+               **({"tools": []} if many_tools else {})}
+    errors = _try(model.model_validate, shallow, ())
+    if many_tools:
+        for i in range(0, len(tools), _CHUNK):
+            errors += _try(_TOOLS.validate_python, tools[i:i + _CHUNK], ("tools",), i)
+            if errors:
+                return errors
+    if not long:
+        return errors
+    for i in range(0, len(msgs), _CHUNK):
+        chunk = msgs[i:i + _CHUNK]
+        for j, m in enumerate(chunk):
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list) and len(parts) > _CHUNK:
+                for k in range(0, len(parts), _CHUNK):
+                    errors += _try(_PARTS.validate_python, parts[k:k + _CHUNK], (
+                        "messages", i + j, "content", "list[TextPart]"), k)
+                    if errors:
+                        return errors
+                chunk[j] = {**m, "content": None}  # (chunk is a copy)
+        errors += _try(_MESSAGES.validate_python, chunk, ("messages",), i)
+        if errors:
+            return errors
+    return errors
+
+
+def _try(validate: Any, value: Any, prefix: tuple[Any, ...],
+         offset: int = 0) -> list[dict[str, Any]]:
+    """The errors of ``validate(value)``, their locations under ``prefix`` (a list's item
+    indices moved by ``offset``)."""
+    try:
+        validate(value)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if not prefix:
+            return errors
+        return [{**err, "loc": prefix + (err["loc"][0] + offset,) + tuple(err["loc"][1:])}
+                if err["loc"] and isinstance(err["loc"][0], int) else
+                {**err, "loc": prefix + tuple(err["loc"])} for err in errors]
+    return []
 
 
 def _strip_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:

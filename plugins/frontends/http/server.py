@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
@@ -147,6 +147,18 @@ def _parse_json(data: bytes) -> Any:
         raise proto.bad("request body is nested too deeply to parse") from None
 
 
+def _parse_body(data: bytes, schema: type[BaseModel] | None,
+                then: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """``data`` as a JSON object, checked against ``schema`` when given (ApiError 400 if not),
+    or ``then`` of it."""
+    body = _parse_json(data)
+    if not isinstance(body, dict):
+        raise proto.bad("request body must be a JSON object")
+    if schema is not None:
+        schemas.validate(schema, body)
+    return body if then is None else then(body)
+
+
 class Server:
     """The state behind the routes: the engine, the settings, the metrics."""
 
@@ -194,10 +206,13 @@ class Server:
         if user is not None and not isinstance(user, str):
             raise proto.bad(f"user must be a string, got {user!r:.50}", "user")
 
-    async def read_json(self, request: Request,
-                        schema: type[BaseModel] | None = None) -> dict[str, Any]:
+    async def read_json(self, request: Request, schema: type[BaseModel] | None = None,
+                        then: Callable[[dict[str, Any]], Any] | None = None) -> Any:
         """The request body as a JSON object, checked against ``schema`` (schemas.py) when
-        given; 413 past max_request_body_bytes, 400 if not a JSON object or not the schema's."""
+        given; 413 past max_request_body_bytes, 400 if not a JSON object or not the schema's.
+        With ``then``, returns ``then(body)`` instead: the parsing of the body's fields, which
+        scales with it too, so it runs where the body was checked (a large body's: on a worker
+        thread, off the event loop)."""
         limit = self.settings.max_request_body_bytes
         too_big = proto.ApiError(413, f"request body is larger than {limit} bytes "
                                  f"(max_request_body_bytes)", code="request_too_large")
@@ -211,12 +226,11 @@ class Server:
                 raise too_big
             chunks.append(chunk)
         data = b"".join(chunks)
-        # a large body is parsed on a worker thread (the event loop serves the others meanwhile)
-        body = (_parse_json(data) if len(data) <= INLINE_JSON_BYTES
-                else await self.engine.run_off_loop(_parse_json, data))
-        if not isinstance(body, dict):
-            raise proto.bad("request body must be a JSON object")
-        return body if schema is None else schemas.validate(schema, body)
+        # a large body is parsed and checked on a worker thread (validating 100k messages takes
+        # seconds; the event loop serves the others meanwhile)
+        if len(data) <= INLINE_JSON_BYTES:
+            return _parse_body(data, schema, then)
+        return await self.engine.run_off_loop(_parse_body, data, schema, then)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -251,12 +265,11 @@ class Server:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request, schemas.TokenizeRequest)
-            self.check_model_and_user(body)
+            body, msgs = await self.read_json(request, schemas.TokenizeRequest,
+                                              self._tokenize_body)
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
-            if "messages" in body:
-                msgs = template_messages(proto._messages(body["messages"]))
+            if msgs is not None:
                 ids = (await self.engine.chat_prompt(msgs, None, body.get("tools")))[
                     "prompt_token_ids"]
             else:
@@ -272,17 +285,31 @@ class Server:
         return JSONResponse({"tokens": ids, "count": len(ids),
                              "max_model_len": self.max_model_len})
 
+    def _tokenize_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        self.check_model_and_user(body)
+        if "messages" in body and body.get("prompt") is not None:
+            raise proto.bad("give prompt or messages, not both", "messages")
+        msgs = (template_messages(proto._messages(body["messages"])) if "messages" in body
+                else None)
+        return body, msgs
+
+    def _detokenize_ids(self, body: dict[str, Any]) -> list[int]:
+        self.check_model_and_user(body)
+        ids = body.get("tokens")
+        vocab = self.engine.engine.vocab_size
+        if isinstance(ids, list) and len(ids) > self.max_model_len:  # decoding holds the GIL
+            raise proto.bad(f"tokens has {len(ids)} ids; at most max_model_len="
+                            f"{self.max_model_len} are decoded", "tokens")
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in ids):
+            raise proto.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return ids
+
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await self.read_json(request, schemas.DetokenizeRequest)
-            self.check_model_and_user(body)
-            ids = body.get("tokens")
-            vocab = self.engine.engine.vocab_size
-            if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                    for t in ids):
-                raise proto.bad(f"tokens must be a list of token ids in [0, {vocab})",
-                                "tokens")
+            ids = await self.read_json(request, schemas.DetokenizeRequest,
+                                       self._detokenize_ids)
             if self.tokenizer is None:
                 raise proto.bad("this model has no tokenizer (dummy weights)")
             text = await self.engine.run_off_loop(self.tokenizer.decode, ids)

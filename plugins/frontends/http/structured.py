@@ -66,6 +66,11 @@ def _response_format(rf: Any) -> StructuredOutputsParams | None:
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad("response_format json_schema needs json_schema.schema, a JSON schema "
                       f"object, got {js!r:.100}", "response_format.json_schema.schema")
+        for key, types, what in (("name", str, "a string"), ("description", str, "a string"),
+                                 ("strict", bool, "a boolean")):
+            if js.get(key) is not None and not isinstance(js[key], types):
+                raise bad(f"response_format.json_schema.{key} must be {what}, got "
+                          f"{js[key]!r:.50}", f"response_format.json_schema.{key}")
         return StructuredOutputsParams(json=js["schema"],
                                        origin="response_format.json_schema.schema")
     raise bad("response_format.type must be 'text', 'json_object' or 'json_schema', got "
