@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,10 @@ class AttentionMetadata:
     block_tables:    [num_seqs, max_blocks_per_seq] int32, padded with 0
     max_query_len, max_seq_len: Python ints (kernel launch sizes)
     query_start_loc_cpu, seq_lens_cpu: the same as lists, for backends that loop on the host
+    backend_cache:   a backend's values derived from this step's layout (e.g. torch_ref's
+                     flat slot indices of a decode step), worked out in the first layer and
+                     reused by the others; keys are the backend's own (prefix them with its
+                     name). Empty when the metadata is built
     """
 
     slot_mapping: torch.Tensor
@@ -58,6 +62,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    backend_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -29,6 +29,7 @@ from .distributed.parallel_state import ParallelContext
 from .layers.context import ModelContext
 from .layers.dense import GEMV_MAX_M
 from .layers.linear import LinearBase
+from .layers.vocab import LMHead
 from .model import PipelineStageLM
 from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_quant,
                            select_quantization)
@@ -156,6 +157,8 @@ class ModelRunner:
                 if isinstance(mod, LinearBase):  # quantized formats draw their own
                     mod.quant_method.load_dummy_weights(mod, g)
                     mod.quant_method.process_weights_after_loading(mod)
+                elif isinstance(mod, LMHead):
+                    mod.process_weights_after_loading()
             return
         with torch.no_grad():
             self.model.load_weights(iter_safetensors(source.folder, self.dtype))

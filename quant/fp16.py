@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagebatch.hookspecs import hookimpl
-from pagebatch.layers.dense import dense_linear, dense_linear_silu_mul
+from pagebatch.layers.dense import cpu_weights, dense_linear, dense_linear_silu_mul
 from pagebatch.layers.linear import LinearBase, QuantMethod
 
 
@@ -19,6 +19,7 @@ class UnquantizedMethod(QuantMethod):
             requires_grad=False)
         layer.bias = (nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
                                    requires_grad=False) if layer.has_bias else None)
+        layer.cpu_weights = None  # made after loading (fp32 on the CPU)
 
     def load_weight(self, layer: LinearBase, name, tensor, shard):
         param = getattr(layer, name, None)
@@ -34,8 +35,13 @@ class UnquantizedMethod(QuantMethod):
                              f"the layer's {tuple(dst.shape)} (shard {shard})")
         dst.copy_(tensor)
 
+    def process_weights_after_loading(self, layer: LinearBase):
+        """fp32 on the CPU: the weight's transposed and oneDNN-blocked copies
+        (core/layers/dense.py)."""
+        layer.cpu_weights = cpu_weights(layer.weight)
+
     def apply(self, layer: LinearBase, x):
-        return dense_linear(x, layer.weight, layer.bias)
+        return dense_linear(x, layer.weight, layer.bias, layer.cpu_weights)
 
     def apply_silu_mul(self, layer: LinearBase, x):
         """The 16-bit GEMV's gated epilogue where its table chose the GEMV (decode sizes)."""

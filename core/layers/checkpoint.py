@@ -6,7 +6,8 @@ tensors are skipped), then loaded by the layer that owns it: merged layers (fuse
 take their checkpoint shards through the model's ``stacked`` table, linear layers through their
 quant method (which cuts this rank's part, core/layers/linear.py), vocabulary tables through
 their ``weight_loader`` (core/layers/vocab.py), and anything else is copied whole. Every linear
-layer is then repacked once (``QuantMethod.process_weights_after_loading``).
+layer is then repacked once (``QuantMethod.process_weights_after_loading``), and so is a 16-bit
+LM head (``LMHead.process_weights_after_loading``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from .linear import LinearBase
+from .vocab import LMHead
 
 if TYPE_CHECKING:
     from .decoder import DecoderForCausalLM
@@ -62,7 +64,9 @@ def load_checkpoint(model: "DecoderForCausalLM",
             model.lm_head.load("weight", tensor)  # a quantized copy of the tied table
         loaded.add(name)
     for path, mod in modules.items():
-        if isinstance(mod, LinearBase):
+        if isinstance(mod, LMHead):
+            mod.process_weights_after_loading()
+        elif isinstance(mod, LinearBase):
             try:
                 mod.quant_method.process_weights_after_loading(mod)
             except ValueError as e:  # e.g. a tensor missing: name the layer

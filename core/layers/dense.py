@@ -4,9 +4,19 @@ the ``dense_gemv`` config of the shape and row count says so: a table's entry (c
 tuned.py), else the start-up autotuner's pick among the rule's candidates (core/kernels/
 autotune.py, core/kernels/gemv_configs.py), else the rule (the GEMV at one row, cuBLAS above).
 `dense_linear_silu_mul` is the gate/up variant whose GEMV applies SiLU-and-mul in its epilogue
-(None where the config is cuBLAS)."""
+(None where the config is cuBLAS).
+
+On the CPU in fp32 a layer may carry `CPUWeights` (`cpu_weights`, made once after loading): at
+one row the product reads a transposed copy ``[K, N]`` (MKL's ``x @ W^T`` GEMV over ``[N, K]``
+ran at 1.4x its time for the LM head on the project's 2-core AMD machine), above one row
+oneDNN's blocked copy (``torch.ops.mkldnn._linear_pointwise``, what inductor's CPU freezing
+uses: 3x faster than MKL for 16 rows there, and faster for prefill's thousands). Each copy costs
+the weight's bytes again; the dense weight stays for everything else (a tied embedding, the
+state dict, the quantizer)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +24,7 @@ import torch.nn.functional as F
 from pagebatch.kernels import precompile
 
 GEMV_MAX_M = 16
+CPU_PACK_ROWS = 16  # the row count oneDNN's blocked layout is chosen for (good for 2..2048)
 _kernels: dict = {}  # the Triton GEMV and the tables' module, imported on first CUDA use
 _choice: dict[tuple, dict | None] = {}  # (device, N, K, M) -> GEMV parameters or None
 
@@ -32,9 +43,38 @@ def gemv_key(n: int, k: int) -> str:
     return f"n={n},k={k}"
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes)."""
+@dataclass(frozen=True)
+class CPUWeights:
+    """CPU copies of an fp32 weight ``[N, K]`` for `dense_linear`: ``t`` ``[K, N]``
+    contiguous (one row), ``packed`` oneDNN's blocked layout (None where torch has no oneDNN)."""
+
+    t: torch.Tensor
+    packed: torch.Tensor | None
+
+
+def cpu_weights(weight: torch.Tensor) -> CPUWeights | None:
+    """`CPUWeights` of a loaded fp32 CPU weight ``[N, K]``, None for any other (the product
+    then is ``F.linear``). Make them again when the weight changes."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    packed = None
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                        "_reorder_linear_weight"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                         CPU_PACK_ROWS)
+    return CPUWeights(weight.detach().t().contiguous(), packed)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 cpu: CPUWeights | None = None) -> torch.Tensor:
+    """x ``[M, K]`` -> ``[M, N]`` in x's dtype (what ``F.linear`` computes). ``cpu``: the
+    weight's `CPUWeights`, used for fp32 CPU inputs."""
+    if cpu is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda:
+        if x.shape[0] == 1:
+            y = torch.mm(x, cpu.t)
+            return y if bias is None else y.add_(bias)
+        if cpu.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, cpu.packed, bias, "none", [], "")
     cfg = _gemv_config(x, weight, bias, False)
     if cfg is not None:
         return _kernels["gemv"](x, weight, bias, **cfg)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .dense import dense_linear
+from .dense import cpu_weights, dense_linear
 from .linear import LinearBase, QuantMethod
 
 if TYPE_CHECKING:
@@ -86,9 +86,15 @@ class LMHead(_VocabShard):
                  device: torch.device, tied_to: VocabEmbedding | None = None,
                  tp: "ParallelContext | None" = None):
         super().__init__(vocab_size, hidden_size, dtype, device, tp, shared=tied_to)
+        self.cpu_weights = None
+
+    def process_weights_after_loading(self) -> None:
+        """Once the table is loaded: fp32 on the CPU, its transposed and oneDNN-blocked copies
+        for the product (core/layers/dense.py; a tied table stays whole for the embedding)."""
+        self.cpu_weights = cpu_weights(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense_linear(hidden, self.weight)
+        logits = dense_linear(hidden, self.weight, cpu=self.cpu_weights)
         if self.tp_size > 1:
             logits = self.tp.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float()

@@ -1,7 +1,8 @@
 """``torch_ref``: paged attention in plain torch, the reference every kernel is checked against.
 
 Runs anywhere torch runs (CPU and GPU). Math in fp32 whatever the cache dtype. A decode-only
-batch is computed in one padded gather; a batch with prefill chunks loops over requests. An fp8
+batch is computed in one gather through slot indices worked out once per step and one masked
+SDPA (no per-layer block-table arithmetic); a batch with prefill chunks loops over requests. An fp8
 cache (float8_e4m3fn) is written by `quantize_fp8` and read back as ``entry.float() * scale``;
 its entries are scattered and gathered as bytes (a uint8 view), since not every torch build has
 fp8 indexing kernels. A sliding window (``sliding_window=W``: position i sees keys j with
@@ -12,6 +13,7 @@ window on: blocks behind it are never gathered (the block manager may have given
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagebatch.hookspecs import hookimpl
@@ -98,36 +100,54 @@ class TorchRefBackend(AttentionBackend):
 
     @staticmethod
     def _decode(query, kv_cache, metadata, scale, dtype, k_scale, v_scale, window=None):
-        """One new token per request. With a ``window``, each request's keys are gathered from
-        the block holding position seq_len - window on (cdiv(window, block_size) + 1 blocks,
-        no more), not from its whole table."""
+        """One new token per request: each request's keys gathered through the step's flat
+        slot indices (`_decode_slots`, worked out once per step and window, not per layer),
+        then one masked SDPA over the batch. The g = Hq / Hkv query heads that share a KV head
+        are its g query rows (one position each), so GQA needs no repeated K/V."""
         b, hq, d = query.shape
-        bs = kv_cache.shape[2]
         hkv = kv_cache.shape[3]
-        g = hq // hkv
-        nb = -(-metadata.max_seq_len // bs)
-        lens = metadata.seq_lens.long()[:, None]
-        if window is None:
-            tables = metadata.block_tables[:, :nb].long()
-            t = torch.arange(nb * bs, device=query.device)[None, :]
-        else:
-            nb = min(nb, -(-window // bs) + 1)
-            first = (lens - window).clamp(min=0) // bs  # [B, 1]
-            cols = (first + torch.arange(nb, device=query.device)).clamp(
-                max=metadata.block_tables.shape[1] - 1)
-            tables = metadata.block_tables.gather(1, cols).long()
-            t = first * bs + torch.arange(nb * bs, device=query.device)  # [B, T] positions
-        k = _dequantize(kv_cache[0][tables].flatten(1, 2), dtype, k_scale)  # [B, T, Hkv, D]
-        v = _dequantize(kv_cache[1][tables].flatten(1, 2), dtype, v_scale)
-        qf = query.float().view(b, hkv, g, d)
-        scores = torch.einsum("bhgd,bthd->bhgt", qf, k) * scale
-        mask = t >= lens
-        if window is not None:
-            mask |= t < lens - window
-        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        v = v.masked_fill(mask[:, :, None, None], 0.0)  # unused slots may hold NaN/inf
-        return torch.einsum("bhgt,bthd->bhgd", probs, v).reshape(b, hq, d).to(query.dtype)
+        slots, valid = _decode_slots(metadata, kv_cache.shape[2], window)
+        t = valid.shape[1]
+        k = _dequantize(kv_cache[0].flatten(0, 1).index_select(0, slots), dtype, k_scale)
+        v = _dequantize(kv_cache[1].flatten(0, 1).index_select(0, slots), dtype, v_scale)
+        k = k.view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, hkv, d).transpose(1, 2)
+        q = query.float().view(b, hkv, hq // hkv, d)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :],
+                                             scale=scale)
+        return out.reshape(b, hq, d).to(query.dtype)
+
+
+def _decode_slots(metadata: AttentionMetadata, bs: int,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [B * T] int64, valid [B, T] bool) of a decode-only step: row i's T key positions
+    (from 0, or with a ``window`` from the block holding position seq_len - window: at most
+    cdiv(window, block_size) + 1 blocks, so no block behind the window is read) as cache
+    slots through its block table, and which of them it attends to. A position it does not
+    attend to reads an attended one's slot instead (positions clamped into the window), so
+    every gathered entry is finite: masked keys get probability 0, and 0 * a finite value is
+    0, where an unwritten slot could hold NaN. Computed once per step and window (every layer
+    of the step shares it), kept in ``metadata.backend_cache``."""
+    key = ("torch_ref.decode_slots", bs, window)
+    cached = metadata.backend_cache.get(key)
+    if cached is not None:
+        return cached
+    dev = metadata.block_tables.device
+    nb = -(-metadata.max_seq_len // bs)
+    lens = metadata.seq_lens.long()[:, None]  # [B, 1], each >= 1 (the new token)
+    first = torch.zeros_like(lens)  # [B, 1] the first position read
+    low = first
+    if window is not None:
+        nb = min(nb, -(-window // bs) + 1)
+        low = (lens - window).clamp(min=0)  # the first position inside the window
+        first = low // bs * bs
+    t = first + torch.arange(nb * bs, device=dev)  # [B, T] positions
+    valid = (t < lens) & (t >= low)
+    t = torch.minimum(torch.maximum(t, low), lens - 1)
+    tables = metadata.block_tables.long()
+    slots = tables.gather(1, t // bs) * bs + t % bs
+    cached = metadata.backend_cache[key] = (slots.view(-1), valid)
+    return cached
 
 
 @hookimpl
