@@ -37,8 +37,11 @@ class UnquantizedMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: LinearBase):
         """fp32 on the CPU: the weight's transposed and oneDNN-blocked copies
-        (core/layers/dense.py)."""
-        layer.cpu_weights = cpu_weights(layer.weight)
+        (core/layers/dense.py); the ``[N, K]`` weight itself becomes a view of the transposed
+        copy, so the layer holds its bytes twice, not three times."""
+        cw = layer.cpu_weights = cpu_weights(layer.weight)
+        if cw is not None:
+            layer.weight.data = cw.t.t()
 
     def apply(self, layer: LinearBase, x):
         return dense_linear(x, layer.weight, layer.bias, layer.cpu_weights)

@@ -11,8 +11,9 @@ one row the product reads a transposed copy ``[K, N]`` (MKL's ``x @ W^T`` GEMV o
 ran at 1.4x its time for the LM head on the project's 2-core AMD machine), above one row
 oneDNN's blocked copy (``torch.ops.mkldnn._linear_pointwise``, what inductor's CPU freezing
 uses: 3x faster than MKL for 16 rows there, and faster for prefill's thousands). Each copy costs
-the weight's bytes again; the dense weight stays for everything else (a tied embedding, the
-state dict, the quantizer)."""
+the weight's bytes again; a linear layer's ``[N, K]`` weight is then a view of the transposed
+copy (quant/fp16.py: twice the bytes in all), the LM head keeps its table whole (a tied
+embedding reads its rows)."""
 
 from __future__ import annotations
 
