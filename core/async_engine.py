@@ -30,6 +30,7 @@ from .engine_core import EngineCoreStats
 from .errors import EngineDeadError
 from .registry import Registry
 from .request import RequestOutput, SamplingParams
+from .structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         self.check_health()
         prompt = await self._tokenized(prompt, params)
+        so = getattr(params, "structured_outputs", None)
+        if isinstance(so, StructuredOutputsParams) and len(so.constraint().spec) > INLINE_CHARS:
+            await self.run_off_loop(self.engine.check_constraint, so)  # remembered: `prepare`
         with self._lock:
             self.check_health()
             core_req, state = self.engine.prepare(prompt, params, request_id, priority)

@@ -228,6 +228,10 @@ class EngineConfig:
     structured_outputs_backend: str = _opt(
         "structured_outputs_backend", "xgrammar",
         "Structured output backend plugin (JSON schema, regex, choice constraints).")
+    structured_outputs_compile_timeout: float = _opt(
+        "structured_outputs_compile_timeout", 60.0,
+        "Seconds a constraint may take to compile (off the step loop) before its requests "
+        "end with an error.", _positive_float)
     # parallelism (docs/parallel.md)
     tensor_parallel_size: int = _opt("tensor_parallel_size", 1,
                                      "Ranks that split each layer (tensor parallel).",

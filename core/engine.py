@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import threading
 from typing import Any, Callable
 
 from .config import EngineConfig
@@ -26,7 +27,10 @@ from .registry import Registry, registry as default_registry
 from .output import RequestState, SampleState
 from .prompt_length import tokenize_within
 from .request import FinishReason, RequestOutput, SamplingParams
+from .structured_output import StructuredOutputsParams
 from .tokenizer import chat_prompt_ids, load_tokenizer, read_chat_template
+
+CHECKED_CONSTRAINTS = 256  # distinct constraints whose check is remembered
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._core_ids: dict[str, tuple[str, int]] = {}  # core request id -> (request id, index)
         self._token_text: dict[int, str] = {}  # decoded single tokens, for log-prob dicts
+        self._checked_constraints: dict[Any, None] = {}  # Constraint -> None, oldest first
+        self._checked_lock = threading.Lock()  # check_constraint runs on worker threads too
         self.registry.engine_started(config)
 
     def _load_tokenizer(self) -> Any:
@@ -145,17 +151,31 @@ class LLMEngine:
             if n is not None and n > v:
                 raise SamplingParamsError(f"{name}={n} is invalid: more than the vocabulary "
                                           f"size {v}")
-        so = params.structured_outputs
-        if so is not None:  # compiles without a tokenizer: an invalid schema fails here
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured_outputs needs the model's tokenizer; this "
-                                          "engine has none (dummy weights)")
-            self.registry.structured_output_backend(
-                self.config.structured_outputs_backend).validate(so.constraint())
+        if params.structured_outputs is not None:
+            self.check_constraint(params.structured_outputs)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError(f"stop={params.stop!r} needs a tokenizer to find text; "
                                       f"this engine has none (dummy weights): use "
                                       f"stop_token_ids")
+
+    def check_constraint(self, so: StructuredOutputsParams) -> None:
+        """Parse ``so``'s constraint and build it without a tokenizer (an invalid schema fails
+        here, before anything is queued); each distinct constraint checked once (the last
+        CHECKED_CONSTRAINTS kept). Its time grows with the constraint's size: `AsyncEngine`
+        calls it on a worker thread for a large one. Raises SamplingParamsError naming the
+        field, InvalidRequestError without a tokenizer."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs needs the model's tokenizer; this "
+                                      "engine has none (dummy weights)")
+        c = so.constraint()
+        checked = self._checked_constraints
+        if c in checked:
+            return
+        self.registry.structured_output_backend(self.config.structured_outputs_backend).validate(c)
+        with self._checked_lock:
+            checked[c] = None
+            while len(checked) > CHECKED_CONSTRAINTS:
+                checked.pop(next(iter(checked)), None)
 
     def _decode_token(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -17,6 +17,7 @@ import gc
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
@@ -32,6 +33,18 @@ from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputBackend, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+_GRAMMAR_WAIT_S = 0.02  # an otherwise idle step's longest wait for a constraint's compile
+
+
+@dataclass
+class _WaitingForGrammar:
+    """A request held out of the scheduler until its constraint compiles (vLLM's
+    ``WAITING_FOR_FSM``)."""
+
+    request: Request
+    compiled: Future
+    deadline: float  # time.monotonic() past which it ends with an error
 
 
 @dataclass
@@ -163,6 +176,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             lambda: make_structured_output_backend(config, setup, registry),
             int(setup.hf_config.vocab_size), config.max_num_seqs)
+        self._grammar_wait: dict[str, _WaitingForGrammar] = {}  # request id -> it
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
@@ -190,6 +204,7 @@ class EngineCore:
         """Finish every request (no outputs), stop the executor's workers and drop the KV cache
         tensors; the core is unusable afterwards."""
         self.scheduler.abort_requests(list(self.scheduler.requests))
+        self._grammar_wait.clear()
         self._batch_queue.clear()
         self.executor.shutdown()
 
@@ -198,7 +213,7 @@ class EngineCore:
         sched, times = self.scheduler, self._times
         self._times = EngineCoreStats()
         return EngineCoreStats(
-            len(sched.running), len(sched.waiting), self.kv_cache.usage,
+            len(sched.running), len(sched.waiting) + len(self._grammar_wait), self.kv_cache.usage,
             sched.stats.num_preemptions, sched.stats.num_steps, self.kv_cache.stats.queries,
             self.kv_cache.stats.hits, times.queue_times, times.prefill_times, times.decode_times)
 
@@ -210,22 +225,71 @@ class EngineCore:
         req.sampling_state = SamplingState.from_params(sp, r.seed, req.prompt_token_ids,
                                                        r.eos_token_ids)
         so = getattr(sp, "structured_outputs", None)
-        # compiled once per distinct constraint; raises SamplingParamsError before anything
-        # is queued, and a matcher is tracked only once the scheduler took the id
-        tracked = self.structured.start(so) if so is not None else None
+        if r.request_id in self._grammar_wait:
+            raise ValueError(f"request id {r.request_id!r} is already in the engine")
+        if so is not None:  # compiled once per distinct constraint, off this thread
+            compiled = self.structured.compile(so)
+            if not compiled.done():  # it joins the scheduler in a later step
+                if r.request_id in self.scheduler.requests:
+                    raise ValueError(f"request id {r.request_id!r} is already in the engine")
+                self._grammar_wait[r.request_id] = _WaitingForGrammar(
+                    req, compiled, time.monotonic() + self.config.structured_outputs_compile_timeout)
+                return
+            self._admit(req, compiled)  # cached: raises SamplingParamsError before queueing
+            return
+        self.scheduler.add_request(req)  # raises ValueError for an id in use
+
+    def _admit(self, req: Request, compiled: Future | None) -> None:
+        """Into the scheduler, with the matcher of its compiled constraint when it has one
+        (tracked only once the scheduler took the id)."""
+        tracked = (self.structured.start(req.sampling_params.structured_outputs, compiled)
+                   if compiled is not None else None)
         self.scheduler.add_request(req)  # raises ValueError for an id in use
         if tracked is not None:
-            self.structured.track(r.request_id, tracked)
+            self.structured.track(req.request_id, tracked)
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> list[EngineCoreOutput]:
+        """Admit the requests whose constraint finished compiling (waiting up to ``wait_s``
+        seconds for one); end those whose compile failed or outlasted
+        ``structured_outputs_compile_timeout`` with an error naming the field."""
+        pending = self._grammar_wait
+        if wait_s > 0 and pending:
+            nearest = min(w.deadline for w in pending.values()) - time.monotonic()
+            wait([w.compiled for w in pending.values()], max(0.0, min(wait_s, nearest)),
+                 FIRST_COMPLETED)
+        now = time.monotonic()
+        outputs = []
+        for rid, w in list(pending.items()):
+            if not w.compiled.done() and now < w.deadline:
+                continue
+            del pending[rid]
+            so = w.request.sampling_params.structured_outputs
+            try:
+                if not w.compiled.done():
+                    limit = self.config.structured_outputs_compile_timeout
+                    raise SamplingParamsError(
+                        f"{so.constraint().field}: compiling the constraint took longer than "
+                        f"structured_outputs_compile_timeout={limit:g} s; give a simpler "
+                        f"schema or raise the timeout", so.constraint().field or None)
+                self._admit(w.request, w.compiled)
+            except Exception as e:  # this request alone ends: the others go on
+                param = e.param if isinstance(e, SamplingParamsError) else None
+                outputs.append(EngineCoreOutput(rid, [], FinishReason.ERROR.value,
+                                                f"{type(e).__name__}: {e}", param))
+        return outputs
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         self.structured.remove(request_ids)
-        return [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value)
-                for r in self.scheduler.abort_requests(request_ids)]
+        held = [rid for rid in request_ids if self._grammar_wait.pop(rid, None) is not None]
+        return [EngineCoreOutput(rid, [], FinishReason.ABORT.value) for rid in held] + [
+            EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value)
+            for r in self.scheduler.abort_requests(request_ids)]
 
     @property
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or steps still in flight (their results must be taken)."""
-        return self.scheduler.has_unfinished_requests or bool(self._batch_queue)
+        return (self.scheduler.has_unfinished_requests or bool(self._batch_queue)
+                or bool(self._grammar_wait))
 
     @property
     def has_work(self) -> bool:
@@ -269,6 +333,12 @@ class EngineCore:
         such steps one at a time."""
         outputs: list[EngineCoreOutput] = []
         queue = self._batch_queue
+        if self._grammar_wait:  # nothing else to run: wait a little for a compile
+            idle = not queue and not self.scheduler.has_unfinished_requests
+            outputs = self._admit_compiled(_GRAMMAR_WAIT_S if idle else 0.0)
+            sched = self.scheduler
+            if idle and not sched.has_unfinished_requests and not sched.has_finished_to_report:
+                return outputs
         structured = self.structured.has_requests
         defer = bool(queue) and structured and self.executor.supports_deferred_sampling
         if len(queue) < self._max_in_flight and not (queue and structured and not defer):
@@ -276,7 +346,7 @@ class EngineCore:
             if structured and not defer:
                 so.structured_output = self._bitmask(so)
             self._mark_scheduled(so)
-            outputs = self._drain_rejected()
+            outputs += self._drain_rejected()
             if defer:
                 return outputs + self._step_deferred(so)
             try:  # an empty step still tells the runners which requests finished

@@ -18,6 +18,18 @@ carry None and do no extra work; the host never scans a bitmask, except to expla
 that failed. A request's constraint is parsed once (`StructuredOutputsParams.constraint`,
 memoized, travels with the params to the core's process) and compiled once per distinct one.
 
+Compiling off the step loop: a constraint's compile time grows faster than its size (a
+3,000-property JSON schema takes ~27 s in xgrammar on a 2-core CPU, a 50,000-property one far
+longer), so the core never compiles on its own thread. `StructuredOutputManager.compile` hands
+a constraint not yet compiled to the manager's compile threads (daemon threads: xgrammar
+releases the GIL while it compiles, and a compile that never ends cannot hold the process at
+exit; they run at a lower CPU priority than the step loop) and returns a future; the engine core keeps the request out of the scheduler until the
+future is done (vLLM's ``WAITING_FOR_FSM``), stepping every other request meanwhile, and ends
+it with an error naming its field when the compile fails or outlasts
+``structured_outputs_compile_timeout`` (core/engine_core.py). A thread still compiling past the
+timeout keeps running (a C++ compile cannot be stopped); later constraints queue behind at most
+`COMPILE_THREADS` such compiles.
+
 Overlap (async scheduling): a step's bitmask needs every earlier token of its requests accepted
 by their matchers. With a step in flight, the engine core launches the next step's forward
 first (`Executor.start_forward`), then takes the step in flight's tokens and advances the
@@ -31,7 +43,11 @@ steps one at a time (`EngineCore.step`).
 from __future__ import annotations
 
 import json
+import os
+import queue
+import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from dataclasses import field as dc_field
 from typing import Any, Iterable, Protocol
@@ -42,6 +58,7 @@ from .errors import RequestFailedError, SamplingParamsError
 
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+COMPILE_NICENESS = 10  # added to the compile threads' nice value
 
 
 @dataclass(frozen=True)
@@ -201,21 +218,25 @@ class TrackedRequest:
 
 class StructuredOutputManager:
     """The engine core's structured output state: the backend (made on first use, with the
-    model's tokenizer), compiled constraints by key, a matcher per constrained request, and
-    the bitmask buffer the steps' rows are filled into.
+    model's tokenizer, on a compile thread), compiled constraints by key, a matcher per
+    constrained request, and the bitmask buffer the steps' rows are filled into.
 
     ``make_backend()`` -> a `StructuredOutputBackend` (the core binds the configured plugin,
     the tokenizer and the vocabulary). ``max_num_seqs``: rows of the bitmask buffer (made at
     the first constrained step; a step with more constrained rows grows it)."""
 
     MAX_CACHED = 256  # compiled constraints kept (oldest dropped first)
+    COMPILE_THREADS = 2  # constraints compiled at once (each xgrammar compile uses 2 threads)
 
     def __init__(self, make_backend, vocab_size: int, max_num_seqs: int = 1) -> None:
         self._make_backend = make_backend
         self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self._compiled: dict[Constraint, Any] = {}
+        self._compiling: dict[Constraint, Future] = {}  # submitted, not yet taken by `start`
+        self._jobs: queue.SimpleQueue[tuple[Constraint, Future]] | None = None
         self._requests: dict[str, TrackedRequest] = {}
         self._faults: dict[str, RequestFailedError] = {}  # request id -> the error its matcher raised
         self._bitmask: np.ndarray | None = None  # int32 [rows, bitmask_width(vocab_size)]
@@ -229,25 +250,72 @@ class StructuredOutputManager:
         return request_id in self._requests
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Compile (or reuse) the request's constraint and start its matcher (`start` then
-        `track`). Raises SamplingParamsError naming the field."""
+        """Compile (or reuse) the request's constraint, waiting for it, and start its matcher
+        (`start` then `track`). Raises SamplingParamsError naming the field."""
         self.track(request_id, self.start(params))
 
-    def start(self, params: StructuredOutputsParams) -> TrackedRequest:
-        """A matcher at the start of the params' constraint, compiled once per distinct
-        constraint; nothing is tracked yet (`track`). Raises SamplingParamsError naming the
-        field."""
-        if self._backend is None:
-            self._backend = self._make_backend()
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """A future of the params' compiled constraint: done at once when it is cached, else
+        compiled on a compile thread (one compile per distinct constraint, however many
+        requests wait on it). The future's ``result()`` raises SamplingParamsError naming the
+        field when the constraint cannot be compiled. Call from the core's thread."""
         c = params.constraint()
         compiled = self._compiled.get(c)
-        if compiled is None:
-            compiled = self._backend.compile(c)
+        if compiled is not None:
+            done: Future = Future()
+            done.set_result(compiled)
+            return done
+        fut = self._compiling.get(c)
+        if fut is None:
+            fut = self._compiling[c] = Future()
+            self._submit(c, fut)
+        return fut
+
+    def start(self, params: StructuredOutputsParams, compiled: Future | None = None
+              ) -> TrackedRequest:
+        """A matcher at the start of the params' constraint, from ``compiled`` (the future
+        `compile` returned for it) or a new `compile`, waiting for it if it is not done;
+        nothing is tracked yet (`track`). Raises what the future raises: SamplingParamsError
+        naming the field."""
+        c = params.constraint()
+        fut = compiled if compiled is not None else self.compile(params)
+        try:
+            grammar = fut.result()
+        finally:
+            if self._compiling.get(c) is fut:  # taken: cached below, or failed for good
+                del self._compiling[c]
+        if c not in self._compiled:
             self.num_compiles += 1
             if len(self._compiled) >= self.MAX_CACHED:
                 self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[c] = compiled
-        return TrackedRequest(self._backend.matcher(compiled), c)
+            self._compiled[c] = grammar
+        return TrackedRequest(self._backend.matcher(grammar), c)
+
+    def _submit(self, c: Constraint, fut: Future) -> None:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            for i in range(self.COMPILE_THREADS):
+                threading.Thread(target=self._compile_loop, args=(self._jobs,), daemon=True,
+                                 name=f"pagebatch-grammar-{i}").start()
+        self._jobs.put((c, fut))
+
+    def _compile_loop(self, jobs: queue.SimpleQueue) -> None:
+        try:  # below the step loop's priority (Linux: per thread, inherited by the threads
+            # xgrammar starts from here), so that a long compile never slows the steps
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+        except (AttributeError, OSError):  # not Linux / not permitted: normal priority
+            pass
+        while True:  # a daemon thread: it ends with the process
+            c, fut = jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._backend_lock:
+                    if self._backend is None:
+                        self._backend = self._make_backend()
+                fut.set_result(self._backend.compile(c))
+            except BaseException as e:  # the waiting requests end with it; the thread goes on
+                fut.set_exception(e)
 
     def track(self, request_id: str, tracked: TrackedRequest) -> None:
         """Constrain ``request_id`` by ``tracked`` (from `start`) from its next step on."""

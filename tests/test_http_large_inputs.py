@@ -1,6 +1,8 @@
 """Nothing on the event loop scales with the input (issue 25, item 1): a multi-megabyte prompt
 is parsed, templated and tokenized on worker threads and refused as soon as a prefix of it
-cannot fit max_model_len, while /health and a small completion answer within a second."""
+cannot fit max_model_len, and a JSON schema that takes long to compile is compiled off the
+engine core's step loop and refused when it outlasts the compile timeout, while /health and a
+small completion answer within a second."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ LIMIT = 8 * 2**20
 
 @pytest.fixture(scope="module")
 def big_base(tiny_model_dir):
-    with tiny_server(tiny_model_dir, {**ENGINE_KEYS, "max_request_body_bytes": LIMIT}) as url:
+    with tiny_server(tiny_model_dir, {**ENGINE_KEYS, "max_request_body_bytes": LIMIT,
+                                      "structured_outputs_compile_timeout": 1.0}) as url:
         yield url
 
 
@@ -129,3 +132,27 @@ def test_huge_prompt_does_not_stall_others(big_base, path, body):
     assert [r.status_code for r in results] == [400] * 3, results[0].text
     msg = results[0].json()["error"]["message"]
     assert "max_model_len=128" in msg and "at least" in msg, msg
+
+
+def _wide_schema(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)},
+            "required": ["p0"]}
+
+
+@pytest.mark.parametrize("path,body", [
+    # xgrammar compiles 1,500 properties in a few seconds on 2 cores (time grows ~n^3)
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                              "messages": [{"role": "user", "content": "w5"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "wide", "schema": _wide_schema(1500)}}}),
+    # 40,000 properties: built (not compiled) in the front half off the loop, ~1 MB
+    ("/v1/completions", {"model": MODEL, "max_tokens": 4, "prompt": "w5",
+                         "structured_outputs": {"json": _wide_schema(40_000)}}),
+])
+def test_a_slow_constraint_compile_does_not_stall_others(big_base, path, body):
+    worst, results = _probe_while(big_base, path, body)
+    assert worst < 1.0, f"a small request took {worst:.2f}s while a schema compiled"
+    assert [r.status_code for r in results] == [400] * 3, results[0].text
+    err = results[0].json()["error"]
+    assert "structured_outputs_compile_timeout=1 s" in err["message"], err
+    assert err["param"] in ("response_format.json_schema.schema", "structured_outputs.json")

@@ -42,6 +42,9 @@ def test_document_names_the_routes(base):
     ({"role": "user", "content": [{"type": "text", "text": ["w4"]}]},
      "messages[0].content[0].text"),
     ({"role": "user", "content": "w4", "name": 3}, "messages[0].name"),
+    ({"role": "user"}, "messages[0].content"),  # only an assistant message may omit it
+    ({"role": "system", "content": None}, "messages[0].content"),
+    ({"role": "tool", "tool_call_id": "c1"}, "messages[0].content"),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_wrong_values_inside_messages_are_400(http, path, message, param):

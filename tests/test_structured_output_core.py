@@ -141,6 +141,16 @@ def core_llm(tiny_model_dir):
     return llm, backend
 
 
+def _admitted(core, rid: str) -> None:
+    """Wait (10 s at most) until ``rid``'s constraint compiled and the request joined the
+    scheduler: constraints compile on the manager's threads."""
+    for _ in range(100):
+        if rid not in core._grammar_wait:
+            return
+        assert core._admit_compiled(0.1) == []
+    raise AssertionError(f"{rid} still waits for its constraint")
+
+
 def _gen(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -170,6 +180,7 @@ def test_an_aborted_constrained_request_is_untracked(core_llm):
     core = llm.engine.core
     core.add_request(EngineCoreRequest("c", [5, 6], SamplingParams(
         max_tokens=8, structured_outputs=_allow(9)), frozenset(), 0))
+    _admitted(core, "c")
     core.step()
     assert "c" in core.structured
     core.abort_requests(["c"])
@@ -181,6 +192,7 @@ def test_an_id_in_use_is_refused_and_its_matcher_kept(core_llm):
     core = llm.engine.core
     sp = SamplingParams(max_tokens=8, structured_outputs=_allow(9))
     core.add_request(EngineCoreRequest("r", [5, 6], sp, frozenset(), 0))
+    _admitted(core, "r")
     tracked = core.structured._requests["r"]
     with pytest.raises(ValueError, match="already in the engine"):
         core.add_request(EngineCoreRequest("r", [7], SamplingParams(
@@ -208,3 +220,110 @@ def test_a_constraint_the_core_process_cannot_compile_names_its_field():
     (out,) = loop.run_once(timeout=0)
     assert (out.request_id, out.finish_reason, out.error_param) == ("r", "error", "guided_json")
     assert "cannot be compiled" in out.error
+
+
+# ---- compiles off the step loop -------------------------------------------------------------
+
+class GatedBackend(FakeBackend):
+    """A FakeBackend whose compiles of a spec in ``slow`` wait for ``release`` (a constraint
+    that takes long to compile); a spec ``fail`` raises as a backend that cannot compile."""
+
+    def __init__(self, slow=()):
+        super().__init__()
+        import threading
+
+        self.slow = set(slow)
+        self.release = threading.Event()
+
+    def compile(self, constraint):
+        if constraint.spec in self.slow:
+            assert self.release.wait(30)
+        if constraint.spec == "fail":
+            from pagebatch.errors import SamplingParamsError
+
+            raise SamplingParamsError(f"{constraint.field} cannot be compiled: too big",
+                                      constraint.field)
+        return super().compile(constraint)
+
+
+@pytest.fixture
+def gated(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+              block_size=4, max_model_len=64, structured_outputs_compile_timeout=1.0)
+    core = llm.engine.core
+    backend = GatedBackend(slow={"11,12"})
+    core.structured = StructuredOutputManager(lambda: backend, core.structured.vocab_size,
+                                              core.config.max_num_seqs)
+    yield core, backend
+    backend.release.set()
+
+
+def _run(core, until, limit_s=20.0):
+    """Step the core, collecting outputs by request id, until ``until(outputs)``."""
+    import time
+
+    outs: dict[str, list] = {}
+    end = time.monotonic() + limit_s
+    while not until(outs):
+        assert time.monotonic() < end, f"gave up waiting; outputs so far {outs}"
+        for o in core.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def _finished(*rids):
+    return lambda outs: all(any(o.finish_reason for o in outs.get(r, [])) for r in rids)
+
+
+def test_a_slow_compile_holds_back_only_its_own_request(gated):
+    """While one request's constraint compiles, the core steps the others to the end; the
+    waiting request is counted as waiting and joins the scheduler once compiled."""
+    core, backend = gated
+    core.add_request(EngineCoreRequest("slow", [5, 6], SamplingParams(
+        max_tokens=4, ignore_eos=True, structured_outputs=_allow(11, 12)), frozenset(), 0))
+    core.add_request(EngineCoreRequest("plain", [7, 8], SamplingParams(
+        max_tokens=6, ignore_eos=True), frozenset(), 0))
+    assert "slow" not in core.scheduler.requests and core.stats().num_waiting >= 1
+    outs = _run(core, _finished("plain"))
+    assert sum(len(o.new_token_ids) for o in outs["plain"]) == 6
+    assert "slow" not in outs and "slow" in core._grammar_wait
+    backend.release.set()
+    outs = _run(core, _finished("slow"))
+    tokens = [t for o in outs["slow"] for t in o.new_token_ids]
+    assert len(tokens) == 4 and set(tokens) <= {11, 12}
+    assert outs["slow"][-1].finish_reason == "length"
+    assert not core.has_unfinished_requests and not core.structured.has_requests
+
+
+def test_a_compile_past_the_timeout_or_failing_ends_its_request_with_the_field(gated):
+    core, backend = gated
+    for rid, so in (("slow", _allow(11, 12)), ("bad", SO(regex="fail"))):
+        core.add_request(EngineCoreRequest(rid, [5], SamplingParams(
+            max_tokens=4, structured_outputs=so), frozenset(), 0))
+    outs = _run(core, _finished("slow", "bad"))
+    slow, bad = outs["slow"][-1], outs["bad"][-1]
+    assert slow.finish_reason == "error" and slow.error_param == "structured_outputs.regex"
+    assert "structured_outputs_compile_timeout=1 s" in slow.error
+    assert bad.finish_reason == "error" and "too big" in bad.error
+    assert bad.error_param == "structured_outputs.regex"
+    assert not core.has_unfinished_requests and not core._grammar_wait
+    # the engine goes on: a request whose constraint compiles at once still runs
+    core.add_request(EngineCoreRequest("ok", [5], SamplingParams(
+        max_tokens=3, ignore_eos=True, structured_outputs=_allow(13)), frozenset(), 0))
+    outs = _run(core, _finished("ok"))
+    assert [t for o in outs["ok"] for t in o.new_token_ids] == [13, 13, 13]
+
+
+def test_a_request_aborted_while_its_constraint_compiles_is_gone(gated):
+    core, backend = gated
+    core.add_request(EngineCoreRequest("slow", [5], SamplingParams(
+        max_tokens=4, structured_outputs=_allow(11, 12)), frozenset(), 0))
+    with pytest.raises(ValueError, match="already in the engine"):
+        core.add_request(EngineCoreRequest("slow", [6], SamplingParams(max_tokens=2),
+                                           frozenset(), 0))
+    (out,) = core.abort_requests(["slow"])
+    assert out.request_id == "slow" and out.finish_reason == "abort"
+    assert not core.has_unfinished_requests
+    backend.release.set()  # the compile ends later: nothing is admitted
+    core._admit_compiled(0.1)
+    assert "slow" not in core.scheduler.requests and "slow" not in core.structured

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 from pagebatch.request import MAX_LOGPROBS
 
@@ -55,12 +57,29 @@ class ChatMessage(BaseModel):
     assistant message may carry ``tool_calls``; a ``tool`` message answers one by
     ``tool_call_id``."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    # the document says what _content_required checks: content required, not null, unless
+    # the role is assistant (JSON Schema's if / then)
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"],
+                 "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[TextPart], None] = Field(
+        None, validate_default=True,
+        description="required (a string or text parts) except in an assistant message")
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: Any, info: ValidationInfo) -> Any:
+        """As OpenAI's API: only an assistant message (e.g. one with tool_calls) may omit
+        its content or give null."""
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", f"Field required in a {role} message")
+        return content
 
 
 class FunctionDefinition(BaseModel):
@@ -234,7 +253,7 @@ def _errors(model: type[BaseModel], body: dict[str, Any]) -> list[dict[str, Any]
     many_tools = isinstance(tools, list) and len(tools) > _CHUNK
     if not (long or many_tools):
         return _try(model.model_validate, body, ())
-    shallow = {**body, **({"messages": [{"role": "user"}]} if long else {}),
+    shallow = {**body, **({"messages": [{"role": "user", "content": ""}]} if long else {}),
                **({"tools": []} if many_tools else {})}
     errors = _try(model.model_validate, shallow, ())
     if many_tools:
@@ -254,7 +273,7 @@ def _errors(model: type[BaseModel], body: dict[str, Any]) -> list[dict[str, Any]
                         "messages", i + j, "content", "list[TextPart]"), k)
                     if errors:
                         return errors
-                chunk[j] = {**m, "content": None}  # (chunk is a copy)
+                chunk[j] = {**m, "content": []}  # (chunk is a copy)
         errors += _try(_MESSAGES.validate_python, chunk, ("messages",), i)
         if errors:
             return errors
