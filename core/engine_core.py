@@ -224,20 +224,16 @@ class EngineCore:
                       skip_prefix_cache=getattr(sp, "prompt_logprobs", None) is not None)
         req.sampling_state = SamplingState.from_params(sp, r.seed, req.prompt_token_ids,
                                                        r.eos_token_ids)
-        so = getattr(sp, "structured_outputs", None)
-        if r.request_id in self._grammar_wait:
+        if r.request_id in self._grammar_wait or r.request_id in self.scheduler.requests:
             raise ValueError(f"request id {r.request_id!r} is already in the engine")
-        if so is not None:  # compiled once per distinct constraint, off this thread
-            compiled = self.structured.compile(so)
-            if not compiled.done():  # it joins the scheduler in a later step
-                if r.request_id in self.scheduler.requests:
-                    raise ValueError(f"request id {r.request_id!r} is already in the engine")
-                self._grammar_wait[r.request_id] = _WaitingForGrammar(
-                    req, compiled, time.monotonic() + self.config.structured_outputs_compile_timeout)
-                return
-            self._admit(req, compiled)  # cached: raises SamplingParamsError before queueing
+        so = getattr(sp, "structured_outputs", None)
+        # compiled once per distinct constraint, off this thread
+        compiled = self.structured.compile(so) if so is not None else None
+        if compiled is not None and not compiled.done():  # it joins the scheduler later
+            self._grammar_wait[r.request_id] = _WaitingForGrammar(
+                req, compiled, time.monotonic() + self.config.structured_outputs_compile_timeout)
             return
-        self.scheduler.add_request(req)  # raises ValueError for an id in use
+        self._admit(req, compiled)  # a cached constraint that failed raises before queueing
 
     def _admit(self, req: Request, compiled: Future | None) -> None:
         """Into the scheduler, with the matcher of its compiled constraint when it has one
@@ -263,14 +259,14 @@ class EngineCore:
             if not w.compiled.done() and now < w.deadline:
                 continue
             del pending[rid]
-            so = w.request.sampling_params.structured_outputs
             try:
                 if not w.compiled.done():
+                    name = w.request.sampling_params.structured_outputs.constraint().field
                     limit = self.config.structured_outputs_compile_timeout
                     raise SamplingParamsError(
-                        f"{so.constraint().field}: compiling the constraint took longer than "
+                        f"{name}: compiling the constraint took longer than "
                         f"structured_outputs_compile_timeout={limit:g} s; give a simpler "
-                        f"schema or raise the timeout", so.constraint().field or None)
+                        f"schema or raise the timeout", name or None)
                 self._admit(w.request, w.compiled)
             except Exception as e:  # this request alone ends: the others go on
                 param = e.param if isinstance(e, SamplingParamsError) else None
@@ -333,10 +329,10 @@ class EngineCore:
         such steps one at a time."""
         outputs: list[EngineCoreOutput] = []
         queue = self._batch_queue
-        if self._grammar_wait:  # nothing else to run: wait a little for a compile
-            idle = not queue and not self.scheduler.has_unfinished_requests
+        sched = self.scheduler
+        if self._grammar_wait:  # with nothing else to run, wait a little for a compile
+            idle = not queue and not sched.has_unfinished_requests
             outputs = self._admit_compiled(_GRAMMAR_WAIT_S if idle else 0.0)
-            sched = self.scheduler
             if idle and not sched.has_unfinished_requests and not sched.has_finished_to_report:
                 return outputs
         structured = self.structured.has_requests

@@ -19,12 +19,12 @@ that failed. A request's constraint is parsed once (`StructuredOutputsParams.con
 memoized, travels with the params to the core's process) and compiled once per distinct one.
 
 Compiling off the step loop: a constraint's compile time grows faster than its size (a
-3,000-property JSON schema takes ~27 s in xgrammar on a 2-core CPU, a 50,000-property one far
-longer), so the core never compiles on its own thread. `StructuredOutputManager.compile` hands
+3,000-property JSON schema takes 27-33 s in xgrammar on a 2-core CPU, a 50,000-property one
+far longer: scripts/bench_grammar_compile.py), so the core never compiles on its own thread. `StructuredOutputManager.compile` hands
 a constraint not yet compiled to the manager's compile threads (daemon threads: xgrammar
 releases the GIL while it compiles, and a compile that never ends cannot hold the process at
-exit; they run at a lower CPU priority than the step loop) and returns a future; the engine core keeps the request out of the scheduler until the
-future is done (vLLM's ``WAITING_FOR_FSM``), stepping every other request meanwhile, and ends
+exit; they run at a lower CPU priority than the step loop) and returns a future; the engine
+core keeps the request out of the scheduler until the future is done (vLLM's ``WAITING_FOR_FSM``), stepping every other request meanwhile, and ends
 it with an error naming its field when the compile fails or outlasts
 ``structured_outputs_compile_timeout`` (core/engine_core.py). A thread still compiling past the
 timeout keeps running (a C++ compile cannot be stopped); later constraints queue behind at most
