@@ -13,6 +13,7 @@ rounded to e4m3 (nearest even) and reads back as ``float(entry) * scale``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class AttentionMetadata:
                      flat slot indices of a decode step), worked out in the first layer and
                      reused by the others; keys are the backend's own (prefix them with its
                      name). Empty when the metadata is built
+    kv_groups:       a hybrid model's metadata per KV cache group (core/kv_hybrid.py; entry
+                     0 is this object; the others differ in slot_mapping and block_tables),
+                     or None: every layer reads this one (one group, or a synthetic batch
+                     that writes nothing and reads block 0)
     """
 
     slot_mapping: torch.Tensor
@@ -63,6 +68,16 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     backend_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    kv_groups: "list[AttentionMetadata] | None" = field(default=None, repr=False,
+                                                          compare=False)
+
+    def with_groups(self, groups: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
+        """Set ``kv_groups`` from each group's (slot mapping, block tables), the first being
+        this object's own; one group leaves it None. Returns self."""
+        if len(groups) > 1:
+            self.kv_groups = [self] + [dataclasses.replace(self, slot_mapping=s, block_tables=t)
+                                       for s, t in groups[1:]]
+        return self
 
     @property
     def num_seqs(self) -> int:

@@ -191,6 +191,11 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt("enable_prefix_caching", True,
                                        "Reuse the KV of cached prompt prefixes (hashed blocks).",
                                        parse_bool)
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        "disable_hybrid_kv_cache_manager", False,
+        "A model mixing full and sliding-window layers keeps one whole block table for all "
+        "layers (no blocks returned behind the windows) instead of a table per layer group.",
+        parse_bool)
     kv_cache_dtype: str = _opt("kv_cache_dtype", "auto",
                                "KV cache dtype: auto = model dtype; fp8 (fp8_e4m3) = e4m3 with "
                                "per-layer scales, twice the tokens of bf16.",

@@ -45,9 +45,10 @@ class CUDAGraphs:
     model call; ``device_buf`` is the int32 device buffer the step inputs are copied into."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], device_buf: torch.Tensor,
-                 max_num_seqs: int, max_blocks: int, max_model_len: int):
+                 max_num_seqs: int, max_blocks: int, max_model_len: int, num_kv_groups: int = 1):
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = max_blocks
+        self.num_kv_groups = num_kv_groups  # a hybrid model's (core/kv_hybrid.py)
         self.max_model_len = max_model_len
         self._forward = forward
         self._buf = device_buf
@@ -58,12 +59,13 @@ class CUDAGraphs:
     def metadata(self, bs: int) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """Static views and attention metadata of bucket ``bs`` (contexts sized for the worst
         case, so the attention launch covers max_model_len)."""
-        v = StepLayout.for_graph(bs, self.max_blocks).views(self._buf)
+        layout = StepLayout.for_graph(bs, self.max_blocks, self.num_kv_groups)
+        v = layout.views(self._buf)
         meta = AttentionMetadata(
             slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"], block_tables=v["block_tables"], max_query_len=1,
             max_seq_len=self.max_model_len, query_start_loc_cpu=list(range(bs + 1)),
-            seq_lens_cpu=[self.max_model_len] * bs)
+            seq_lens_cpu=[self.max_model_len] * bs).with_groups(layout.group_views(v))
         return v, meta
 
     def _fill_dummy(self, v: dict[str, torch.Tensor], bs: int) -> None:
@@ -73,6 +75,9 @@ class CUDAGraphs:
         v["query_start_loc"].copy_(torch.arange(bs + 1, dtype=torch.int32))
         v["seq_lens"].fill_(1)
         v["block_tables"].zero_()
+        for k in range(1, self.num_kv_groups):
+            v[f"slot_mapping_{k}"].fill_(PAD_SLOT)
+            v[f"block_tables_{k}"].zero_()
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -24,6 +24,7 @@ from .config import EngineConfig
 from .errors import EngineDeadError, SamplingParamsError
 from .executor import Executor, StepHandle, UniprocExecutor, async_scheduling
 from .kv_cache import KVCacheManager
+from .kv_hybrid import HybridKVCacheManager
 from .model_runner import ModelRunner, RunnerOutput
 from .model_setup import ModelSetup, resolve_model_setup
 from .registry import Registry, registry as default_registry
@@ -163,9 +164,13 @@ class EngineCore:
             raise
         self._batch_queue: deque[_InFlight] = deque()
         self._max_in_flight = self.executor.max_concurrent_batches
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size,
-                                       enable_caching=config.enable_prefix_caching,
-                                       sliding_window=setup.sliding_window)
+        groups = setup.kv_groups
+        self.kv_cache = (HybridKVCacheManager(num_blocks, config.block_size,
+                                              config.enable_prefix_caching, groups.windows)
+                         if groups is not None else
+                         KVCacheManager(num_blocks, config.block_size,
+                                        enable_caching=config.enable_prefix_caching,
+                                        sliding_window=setup.sliding_window))
         policy = registry.scheduling_policy(config.scheduling_policy)(config)
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    setup.max_num_batched_tokens,
@@ -188,7 +193,9 @@ class EngineCore:
                     str(self.runner.kv_cache_dtype).removeprefix("torch."), max_model_len,
                     self.kv_cache.num_blocks / per_request,
                     f" (sliding window {setup.sliding_window}: {per_request} blocks a request)"
-                    if setup.sliding_window else "")
+                    if setup.sliding_window else
+                    f" ({groups.num_groups} KV cache groups of {groups.num_slots} layers, windows "
+                    f"{list(groups.windows)}: {per_request} blocks a request)" if groups else "")
 
     @classmethod
     def from_config(cls, config: EngineConfig, registry: Registry | None = None,

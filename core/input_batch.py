@@ -78,20 +78,23 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_blocks: int, block_size: int,
                  max_num_tokens: int, pin_memory: bool, num_buffers: int = 2,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, num_kv_groups: int = 1):
         self.max_num_seqs = max_num_seqs
         self.max_blocks = max_blocks
         self.block_size = block_size
         self.pin_memory = pin_memory
+        self.num_kv_groups = g = num_kv_groups
         n = max_num_seqs
-        self.block_table = np.zeros((n, max_blocks), dtype=np.int32)
+        # one table per KV cache group (core/kv_hybrid.py: block ids arrive interleaved)
+        self.block_tables = [np.zeros((n, max_blocks), dtype=np.int32) for _ in range(g)]
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(n, dtype=np.int32)
         self.sampling = SamplingColumns(n, vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.row_req: list[RunnerRequest | None] = [None] * n
         self._free = list(range(n - 1, -1, -1))
-        step = max(StepLayout(max_num_tokens, n, max_blocks).size,
-                   StepLayout.for_graph(n, max_blocks).size)
+        step = max(StepLayout(max_num_tokens, n, max_blocks, g).size,
+                   StepLayout.for_graph(n, max_blocks, g).size)
         # + the dense sampling columns (5 int64 and 6 fp32 per row) and the sparse reserve
         self.capacity = step + 1 + 16 * n + SPARSE_RESERVE
         # several staging buffers, so that a buffer is never refilled while its previous
@@ -161,11 +164,16 @@ class InputBatch:
 
     def _set_blocks(self, row: int, request_id: str, block_ids: list[int], append: bool) -> None:
         have = int(self.num_blocks[row]) if append else 0
-        n = have + len(block_ids)
+        g = self.num_kv_groups
+        n = have + len(block_ids) // g
         if n > self.max_blocks:
             raise ValueError(f"request {request_id!r} has {n} blocks; the block table holds "
                              f"{self.max_blocks} (max_model_len / block_size)")
-        self.block_table[row, have:n] = block_ids
+        if g == 1:
+            self.block_table[row, have:n] = block_ids
+        else:
+            for k, table in enumerate(self.block_tables):
+                table[row, have:n] = block_ids[k::g]
         self.num_blocks[row] = n
 
     def _row_of(self, sr: ScheduledRequest) -> int:
@@ -219,14 +227,16 @@ class InputBatch:
         positions = np.repeat(starts - qsl[:-1], qlens) + np.arange(t)
         bs = self.block_size
         rows = np.repeat(slots, qlens)
-        slot_mapping = self.block_table[rows, positions // bs] * bs + positions % bs
+        cols, offsets = positions // bs, positions % bs
+        slot_mapping = self.block_table[rows, cols] * bs + offsets
         graph_batch = None
         if graph_bucket is not None and t == b and len(sample_ids) == b:
             graph_batch = graph_bucket(b)
+        g = self.num_kv_groups
         if graph_batch is None:
-            layout = StepLayout(t, b, int(self.num_blocks[slots].max()))
+            layout = StepLayout(t, b, int(self.num_blocks[slots].max()), g)
         else:
-            layout = StepLayout.for_graph(graph_batch, self.max_blocks)
+            layout = StepLayout.for_graph(graph_batch, self.max_blocks, g)
         logits_rows = qsl[1:][sample_rows] - 1
         sample_positions = positions[logits_rows]
         inp = StepInputs(layout, graph_batch is not None, {}, sample_ids,
@@ -255,6 +265,10 @@ class InputBatch:
         host["seq_lens"][:b] = seq_lens
         host["logits_rows"][:len(logits_rows)] = logits_rows
         host["block_tables"][:b] = self.block_table[slots, :layout.width]
+        for k in range(1, g):
+            table = self.block_tables[k]
+            host[f"slot_mapping_{k}"][:t] = table[rows, cols] * bs + offsets
+            host[f"block_tables_{k}"][:b] = table[slots, :layout.width]
         fills = np.flatnonzero(host["input_ids"][:t] == PLACEHOLDER_TOKEN)
         if len(fills):
             owners = np.searchsorted(qsl, fills, side="right") - 1
@@ -268,6 +282,9 @@ class InputBatch:
             host["query_start_loc"][b + 1:] = np.arange(t + 1, pad_t + 1)
             host["seq_lens"][b:] = 1
             host["block_tables"][b:] = 0
+            for k in range(1, g):
+                host[f"slot_mapping_{k}"][t:pad_t] = PAD_SLOT
+                host[f"block_tables_{k}"][b:] = 0
         if inp.sampling is not None:
             write_sections({k: v.numpy() for k, v in inp.sampling.views(buf).items()},
                            sections)

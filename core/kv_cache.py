@@ -42,6 +42,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    cache_group: int = 0  # the KV cache group whose prefix cache holds it (core/kv_hybrid.py)
     prev_free: "KVCacheBlock | None" = None
     next_free: "KVCacheBlock | None" = None
 
@@ -97,7 +98,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks of the cache: ref counts, the free queue and the hash -> block map."""
+    """All blocks of the cache: ref counts, the free queue and the hash -> block maps, one per
+    KV cache group (``group``: 0 unless several groups share the pool, core/kv_hybrid.py; the
+    same prompt block is a different cache entry in each group)."""
 
     def __init__(self, num_blocks: int, null_block: bool = False) -> None:
         if num_blocks < 1 + null_block:
@@ -108,7 +111,8 @@ class BlockPool:
         self.null_block = self.blocks[0] if null_block else None
         self.num_usable = num_blocks - null_block
         self.free_queue = FreeBlockQueue(self.blocks[int(null_block):])
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.cached: dict[BlockHash, KVCacheBlock] = {}  # group 0's
+        self._cached_of_group = [self.cached]
         self.num_evictions = 0  # lets callers know when a cached prefix may have shrunk
         self.num_cached_inserts = 0  # ... or grown
 
@@ -131,8 +135,9 @@ class BlockPool:
         return out
 
     def _evict(self, b: KVCacheBlock) -> None:
-        if self.cached.get(b.block_hash) is b:
-            del self.cached[b.block_hash]
+        cached = self._cached_of_group[b.cache_group]
+        if cached.get(b.block_hash) is b:
+            del cached[b.block_hash]
         b.block_hash = None
         self.num_evictions += 1
 
@@ -157,16 +162,23 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, b: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash. A hash already cached (the same content
-        computed twice) keeps its first block; this one stays unhashed."""
-        if b.block_hash is not None or block_hash in self.cached:
+    def cache_block(self, b: KVCacheBlock, block_hash: BlockHash, group: int = 0) -> None:
+        """Register a full block under its hash in ``group``'s map. A hash already cached there
+        (the same content computed twice) keeps its first block; this one stays unhashed."""
+        while group >= len(self._cached_of_group):
+            self._cached_of_group.append({})
+        cached = self._cached_of_group[group]
+        if b.block_hash is not None or block_hash in cached:
             return
         b.block_hash = block_hash
-        self.cached[block_hash] = b
+        b.cache_group = group
+        cached[block_hash] = b
         self.num_cached_inserts += 1
 
-    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        if group:
+            return (self._cached_of_group[group].get(block_hash)
+                    if group < len(self._cached_of_group) else None)
         return self.cached.get(block_hash)
 
     @property
@@ -213,10 +225,14 @@ class KVCacheManager:
 
     ``sliding_window``: tokens every layer attends over (the module docstring), or None (full
     attention on some layer: nothing is skipped). It reserves block 0 as the null block.
+    ``pool`` and ``group``: the shared `BlockPool` and this manager's KV cache group when it
+    manages one group of a hybrid model (core/kv_hybrid.py; the pool then has the null block
+    if any group is windowed); by default a pool of its own.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, pool: BlockPool | None = None,
+                 group: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         if sliding_window is not None and sliding_window < 1:
@@ -224,7 +240,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, null_block=sliding_window is not None)
+        self.group = group
+        self.pool = pool if pool is not None else BlockPool(
+            num_blocks, null_block=sliding_window is not None)
+        if sliding_window is not None and self.pool.null_block is None:
+            raise ValueError("a windowed group needs a pool with the null block")
         self.null_block = self.pool.null_block
         self.block_tables: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
@@ -257,15 +277,16 @@ class KVCacheManager:
             return []
         limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
         if self.sliding_window is not None:  # looks up only the blocks a hit can use
-            n, found = window_hit(lambda i: self.pool.lookup(block_hashes[i]), limit,
+            group = self.group
+            n, found = window_hit(lambda i: self.pool.lookup(block_hashes[i], group), limit,
                                   self.sliding_window, self.block_size)
             skipped = n - len(found)
             if found and not same_prefix(found[0].block_hash, block_hashes, skipped):
                 return []  # the blocks before the window differ (digests that collide)
             return [self.null_block] * skipped + found
-        hits = []
+        hits, group = [], self.group
         for h in block_hashes[:limit]:
-            b = self.pool.lookup(h)
+            b = self.pool.lookup(h, group)
             if b is None:
                 break
             hits.append(b)
@@ -278,7 +299,7 @@ class KVCacheManager:
     def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         """How many leading blocks are cached, assuming the first ``start`` are (no counting)."""
         n = start
-        while n < len(block_hashes) and self.pool.lookup(block_hashes[n]) is not None:
+        while n < len(block_hashes) and self.pool.lookup(block_hashes[n], self.group) is not None:
             n += 1
         return n
 
@@ -306,6 +327,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         block_hashes: Sequence[BlockHash] = (),
         num_computed_tokens: int = 0,
+        hits_touched: bool = False,
     ) -> list[int] | None:
         """Grow the block table to cover ``num_tokens`` tokens in total.
 
@@ -316,12 +338,13 @@ class KVCacheManager:
         tokens computed before this step; with a sliding window the blocks wholly behind the
         window of the first one to compute are returned to the pool first (O(1) amortized).
         Returns the ids of the newly taken blocks, or None when too few blocks are free
-        (nothing is taken then; skipped blocks stay returned).
+        (nothing is taken then; skipped blocks stay returned). ``hits_touched``: the caller
+        has already added this request as a user of the hits (`BlockPool.touch`; the hybrid
+        manager does so for every group's hits before any group takes new blocks, which could
+        otherwise be another group's hits, still in the free queue).
         """
         table = self.block_tables.get(request_id)
-        if (table is not None and self.sliding_window is not None
-                and num_computed_tokens >= self.sliding_window + self.block_size - 1):
-            self._skip_blocks(table, num_computed_tokens)
+        self.release_behind_window(request_id, num_computed_tokens)
         held = len(table.blocks) if table is not None else 0
         if not new_computed_blocks and num_tokens <= held * self.block_size:
             # the common decode step: the table already covers it (no pool work)
@@ -329,13 +352,12 @@ class KVCacheManager:
                     and num_tokens // self.block_size > table.num_cached_blocks):
                 self._cache_full_blocks(table, block_hashes, num_tokens)
             return []
+        if self.blocks_to_take(request_id, num_tokens, new_computed_blocks) > self.num_free_blocks:
+            return None
         need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
         null = self.null_block
         hits = [b for b in new_computed_blocks if b is not null]
-        revived = sum(1 for b in hits if b.ref_cnt == 0)
-        if need + revived > self.num_free_blocks:
-            return None
-        if hits:
+        if hits and not hits_touched:
             self.pool.touch(hits)
         new = self.pool.get_new_blocks(need)
         if table is None:
@@ -348,12 +370,30 @@ class KVCacheManager:
             self._cache_full_blocks(table, block_hashes, num_tokens)
         return [b.block_id for b in new]
 
+    def blocks_to_take(self, request_id: str, num_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+        """Free blocks that `allocate_slots` would take from the pool now: new ones, and cache
+        hits that nobody holds (revived from the free queue)."""
+        table = self.block_tables.get(request_id)
+        held = len(table.blocks) if table is not None else 0
+        need = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed_blocks))
+        null = self.null_block
+        return need + sum(1 for b in new_computed_blocks if b is not null and b.ref_cnt == 0)
+
+    def release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """With a sliding window: return the request's blocks wholly behind the window of its
+        first token to compute, ``num_computed_tokens`` (`allocate_slots` does it first)."""
+        table = self.block_tables.get(request_id)
+        if (table is not None and self.sliding_window is not None
+                and num_computed_tokens >= self.sliding_window + self.block_size - 1):
+            self._skip_blocks(table, num_computed_tokens)
+
     def _cache_full_blocks(self, table: BlockTable, block_hashes: Sequence[BlockHash],
                            num_tokens: int) -> None:
         done = table.num_cached_blocks
         full = min(num_tokens // self.block_size, len(block_hashes), len(table.blocks))
         for i in range(max(done, table.num_skipped), full):
-            self.pool.cache_block(table.blocks[i], block_hashes[i])
+            self.pool.cache_block(table.blocks[i], block_hashes[i], self.group)
         if full > done:
             table.num_cached_blocks = full
 

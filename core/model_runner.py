@@ -23,9 +23,11 @@ from .attention import AttentionMetadata, resolve_kv_cache_dtype
 from .cuda_graphs import CUDAGraphs, capture_sizes
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
+from .kv_hybrid import KVCacheGroups
 from .kv_window import max_blocks_held
 from .input_batch import InputBatch
 from .distributed.parallel_state import ParallelContext
+from .layers.attention import Attention
 from .layers.context import ModelContext
 from .layers.dense import GEMV_MAX_M
 from .layers.linear import LinearBase
@@ -117,10 +119,14 @@ class ModelRunner:
         self.num_blocks = 0
         self.penalties = PenaltyState(self.vocab_size, self.device)
         max_blocks = -(-max_model_len // self.block_size)
+        groups = self.setup.kv_groups
         self.input_batch = InputBatch(config.max_num_seqs, max_blocks, self.block_size,
                                       max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda",
-                                      vocab_size=self.vocab_size)
+                                      vocab_size=self.vocab_size,
+                                      num_kv_groups=groups.num_groups if groups else 1)
+        if groups is not None:
+            self._assign_kv_groups(groups)
         # the device buffer each step's inputs are copied into (CUDA graphs read it too)
         self._step_buf = torch.zeros(self.input_batch.capacity, dtype=torch.int32,
                                      device=self.device)
@@ -129,6 +135,19 @@ class ModelRunner:
         # the last launched step's sampled ids [n] int64 on the device, and request id -> row
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+
+    def _assign_kv_groups(self, groups: KVCacheGroups) -> None:
+        """A hybrid model (core/kv_hybrid.py): each attention layer's KV cache group. Raises
+        RuntimeError when the model's attention layers (in module order) do not attend as
+        its ``sliding_windows`` says."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        want = [groups.windows[k] for k in groups.layer_group]
+        have = [a.sliding_window for a in layers]
+        if have != want:
+            raise RuntimeError(f"the model's attention layers have windows {have}, its "
+                               f"sliding_windows() says {want}: cannot group its KV cache")
+        for attn, k in zip(layers, groups.layer_group):
+            attn.kv_group = k
 
     def _set_up_fused_all_reduce(self, hidden: int) -> None:
         """``custom_all_reduce``: the model's row-parallel layers leave their all-reduce to the
@@ -171,7 +190,8 @@ class ModelRunner:
         elem = self.kv_cache_dtype.itemsize
         per_layer = np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads,
                                                             m.head_dim))
-        return int(per_layer) * elem * m.num_layers
+        groups = self.setup.kv_groups  # a hybrid model: a block id spans one group's layers
+        return int(per_layer) * elem * (groups.num_slots if groups else m.num_layers)
 
     def determine_num_blocks(self) -> int:
         """Blocks for the KV cache: num_kv_blocks, else kv_cache_memory, else (cuda) what
@@ -249,13 +269,19 @@ class ModelRunner:
         return self.model(ids, pos, [cache] * self.model.num_layers, meta)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        window = self.setup.sliding_window  # the block manager then keeps block 0 as null
+        groups = self.setup.kv_groups
+        # with a window the block manager keeps block 0 as null
+        windows = groups.windows if groups else (self.setup.sliding_window,)
         step = (self.max_num_batched_tokens if self.config.enable_chunked_prefill
                 else self.max_model_len)
-        need = max_blocks_held(self.max_model_len, window, self.block_size, step)
-        if num_blocks - (window is not None) < need:
-            held = (f" (a sliding window of {window} tokens, steps of up to {step}, and the "
-                    f"null block)" if window is not None else "")
+        need = sum(max_blocks_held(self.max_model_len, w, self.block_size, step)
+                   for w in windows)
+        windowed = [w for w in windows if w is not None]
+        if num_blocks - bool(windowed) < need:
+            held = (f" (sliding windows {windows} in {len(windows)} KV cache groups, steps of "
+                    f"up to {step}, and the null block)" if groups else
+                    f" (a sliding window of {windowed[0]} tokens, steps of up to {step}, and "
+                    f"the null block)" if windowed else "")
             raise CacheTooSmallError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size} tokens) but one request of "
@@ -265,8 +291,10 @@ class ModelRunner:
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
                                                  self.model.num_kv_heads, self.model.head_dim)
         # empty, not zeros: backends must mask slots past seq_len (they may hold anything)
-        self.kv_caches = [torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(self.model.num_layers)]
+        tensors = [torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+                   for _ in range(groups.num_slots if groups else self.model.num_layers)]
+        # a hybrid model's layers share tensors: the s-th layer of each group uses tensor s
+        self.kv_caches = ([tensors[s] for s in groups.layer_slot] if groups else tensors)
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and self.parallel.pp_size == 1:  # core/step_warmup.py
             warm_up_step_variants(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
@@ -289,7 +317,8 @@ class ModelRunner:
                 def forward(ids, pos, meta):
                     return self.model(ids, pos, self.kv_caches, meta)
             self.graphs = CUDAGraphs(forward, self._step_buf, self.config.max_num_seqs,
-                                     self.input_batch.max_blocks, self.max_model_len)
+                                     self.input_batch.max_blocks, self.max_model_len,
+                                     self.input_batch.num_kv_groups)
             self.graphs.capture()
             self._warm_lm_head(self.graphs.sizes)
 
@@ -403,7 +432,8 @@ class ModelRunner:
                 slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
                 seq_lens=v["seq_lens"], block_tables=v["block_tables"],
                 max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
-                query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens)
+                query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
+            ).with_groups(inp.layout.group_views(v))
             hidden = self.model(v["input_ids"], v["positions"], self.kv_caches, meta)
             if hidden is None:  # a pipeline stage before the last sent its output on
                 return PendingStep(None)

@@ -17,6 +17,7 @@ import torch
 
 from .config import EngineConfig, check_token_budget
 from .errors import ConfigError
+from .kv_hybrid import KVCacheGroups, kv_cache_groups
 from .model import kv_sliding_window, max_model_len_limit, sliding_windows
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
 from .registry import Registry
@@ -35,7 +36,10 @@ class ModelSetup:
     weights' dtype. max_model_len: tokens per request (prompt + output). max_num_batched_tokens:
     the token budget of one step. sliding_window: the tokens behind which the block manager
     returns a request's blocks (every layer attends over a window of at most this many tokens;
-    `kv_sliding_window`), or None.
+    `kv_sliding_window`), or None. kv_groups: for a model that mixes full-attention and
+    windowed layers, its KV cache groups (core/kv_hybrid.py: a block table per group), else
+    None (one table per request; also with ``disable_hybrid_kv_cache_manager`` and with
+    pipeline parallelism, where the hybrid manager is not built yet).
     """
 
     source: ModelSource
@@ -45,6 +49,7 @@ class ModelSetup:
     max_model_len: int
     max_num_batched_tokens: int
     sliding_window: int | None = None
+    kv_groups: KVCacheGroups | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,10 +79,18 @@ def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
     mnbt = config.max_num_batched_tokens or (
         8192 if config.enable_chunked_prefill else max(max_model_len, 2048))
     check_token_budget(mnbt, max_model_len, config.enable_chunked_prefill)
-    window = kv_sliding_window(sliding_windows(
-        registry.model_class(architecture(hf_config)), hf_config))
+    layer_windows = sliding_windows(registry.model_class(architecture(hf_config)), hf_config)
+    window = kv_sliding_window(layer_windows)
+    groups = None
+    if window is None and any(w is not None for w in layer_windows):
+        if config.disable_hybrid_kv_cache_manager or config.pipeline_parallel_size > 1:
+            logger.info("full and sliding-window layers: one whole block table per request "
+                        "(%s)", "disable_hybrid_kv_cache_manager" if
+                        config.disable_hybrid_kv_cache_manager else "pipeline parallelism")
+        else:
+            groups = kv_cache_groups(layer_windows)
     return ModelSetup(source, hf_config, device.type, resolve_dtype(config.dtype, device),
-                      max_model_len, mnbt, window)
+                      max_model_len, mnbt, window, groups)
 
 
 def _resolve_max_model_len(config: EngineConfig, hf_config: Any, registry: Registry) -> int:

@@ -145,8 +145,8 @@ def _print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         base = results[0]["decode_tok_s"]
     r = results[0]
     if "kv_peak_blocks" in r:
-        print(f"KV cache: peak {r['kv_peak_blocks']} of {r['kv_blocks']} blocks in use, "
-              f"{r['num_preemptions']} preemptions")
+        print(f"KV cache: peak {r['kv_peak_blocks']} of {r['kv_blocks']} blocks in use "
+              f"({r['kv_peak_gib']:.3g} GiB), {r['num_preemptions']} preemptions")
     if len(results) > 1:
         other = results[1].get("output_tok_s") or results[1].get("decode_tok_s")
         print(f"pagebatch / {results[1]['engine']}: {base / other:.2f}x")

@@ -77,7 +77,9 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
     Returns ``engine``, ``startup_s``, ``warmup_s``, ``autotune_s`` (seconds; the kernel
     autotuning inside them), ``autotune_candidates``, ``weights_gb`` and
     ``kv_cache_tokens``, ``kv_blocks`` (usable), ``kv_peak_blocks`` (the most blocks held
-    after any step: a sliding window returns blocks behind it) and ``num_preemptions``
+    after any step: a sliding window returns blocks behind it), ``kv_peak_gib`` (those
+    blocks' bytes: a hybrid model's block holds one layer group, core/kv_hybrid.py) and
+    ``num_preemptions``
     (in-process core only); throughput adds ``elapsed_s`` (the fastest
     run), ``elapsed_each_s``, ``output_tokens``, ``output_tok_s``; latency adds ``ttft_s`` and
     ``decode_tok_s`` (medians over prompts x iterations). The engine is shut down after."""
@@ -134,6 +136,7 @@ def bench_pagebatch(config: EngineConfig, kind: str, prompts: list[list[int]],
         res.update(ttft_s=ttft, decode_tok_s=decode)
     if kv is not None:
         res.update(kv_peak_blocks=peak[0],
+                   kv_peak_gib=peak[0] * engine.core.runner.kv_bytes_per_block / 2**30,
                    num_preemptions=engine.core.scheduler.stats.num_preemptions)
     engine.shutdown()  # give the device back before --compare runs the other engine
     engine = None

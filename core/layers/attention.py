@@ -28,6 +28,8 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.sliding_window: int | None = None  # tokens; None: full causal attention
+        # the layer's KV cache group (core/kv_hybrid.py): it reads metadata.kv_groups[kv_group]
+        self.kv_group = 0
 
     def set_sliding_window(self, window: int | None) -> None:
         """Attend over the last ``window`` tokens (a token at position i sees keys j with
@@ -44,6 +46,8 @@ class Attention(nn.Module):
         ``rope``: (positions [T] int64, a `RotaryEmbedding`) to apply to q and k first: inside
         the backend's KV write and attention when it supports that (``supports_fused_rope``:
         one kernel fewer per layer), else here."""
+        if self.kv_group and metadata.kv_groups is not None:
+            metadata = metadata.kv_groups[self.kv_group]
         kw = {}
         if kv_cache.dtype == FP8_KV_DTYPE:  # only backends with supports_fp8_kv_cache get one
             kw = {"k_scale": self.k_scale, "v_scale": self.v_scale}
