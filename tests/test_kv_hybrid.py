@@ -59,7 +59,7 @@ def test_bad_layer_windows_are_refused():
         kv_cache_groups([None, 0])
 
 
-# ---- the scheduler over a fake hybrid runner ------------------------------------------------------
+# ---- the scheduler over a fake hybrid runner ---------------------------------------------------
 
 
 class HybridFakeRunner:
@@ -278,7 +278,7 @@ def test_allocation_is_all_or_nothing():
     assert kv.num_free_blocks == 10
 
 
-# ---- tiny Qwen2 models against transformers --------------------------------------------------------
+# ---- tiny Qwen2 models against transformers ------------------------------------------------
 
 PROMPTS = [[random.Random(s).randint(3, 255) for _ in range(n)]
            for s, n in [(1, 150), (2, 97), (3, 131)]]
