@@ -3,9 +3,11 @@ block manager that keeps one block table per group (pure Python, no torch).
 
 The design is vLLM v1's hybrid KV cache manager (``HybridKVCacheCoordinator`` with
 ``get_kv_cache_groups``): the layers are split into *groups* of one attention type (the same
-window, or full attention) and of equal size ``g``, the smallest type's layer count; a type
-with more layers becomes several groups of ``g`` consecutive layers (the last one may be
-shorter). The runner allocates ``g`` cache tensors of ``num_blocks`` blocks, and the ``s``-th
+window, or full attention) and of equal size ``g``, the greatest common divisor of the types'
+layer counts, so that every group has exactly ``g`` layers (vLLM takes the smallest count and
+pads the last group of a type; a padded group's block ids cost ``g`` layers' bytes for fewer
+layers, which can make a short request cost more than with one whole table: 16 full + 12
+windowed layers in groups of 12 hold 36 layer slots a block position against 28). The runner allocates ``g`` cache tensors of ``num_blocks`` blocks, and the ``s``-th
 layer of every group uses tensor ``s``: a block id belongs to one group at a time, so layers of
 different groups never write the same block, and a block id costs ``g`` layers' bytes instead
 of all layers'. Each request has one block table per group, all of the same logical length;
@@ -23,13 +25,14 @@ first token to compute (found by narrowing the length until every group agrees).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from .block_hash import BlockHash
 from .kv_cache import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, PrefixCacheStats
 
-__all__ = ["KVCacheGroups", "kv_cache_groups", "HybridKVCacheManager", "deinterleave"]
+__all__ = ["KVCacheGroups", "kv_cache_groups", "MAX_KV_GROUPS", "HybridKVCacheManager", "deinterleave"]
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,18 @@ class KVCacheGroups:
         return len(self.windows) > 1
 
 
-def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups:
+MAX_KV_GROUPS = 8  # more groups than this: one whole table instead (`kv_cache_groups`)
+
+
+def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups | None:
     """Group the layers by attention type (``layer_windows[i]``: layer i's window, or None).
 
     One type: one group (the windowed block manager when it has a window). Several: groups of
-    ``g`` = the smallest type's layer count (module docstring), types in order of their first
-    layer. Raises ValueError for no layers or a window < 1."""
+    ``g`` = the greatest common divisor of the types' layer counts (module docstring), types
+    in order of their first layer; None when that makes more than MAX_KV_GROUPS groups (e.g.
+    15 + 13 layers: 28 groups of one layer, each with its own block table and slot mapping in
+    every step's inputs), for which the caller keeps one whole table. Raises ValueError for no
+    layers or a window < 1."""
     n = len(layer_windows)
     if n == 0:
         raise ValueError("a model with no layers has no KV cache groups")
@@ -72,7 +81,9 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups:
     if len(types) == 1:
         (w,) = types
         return KVCacheGroups((w,), (0,) * n, tuple(range(n)), n)
-    g = min(len(layers) for layers in types.values())
+    g = math.gcd(*(len(layers) for layers in types.values()))
+    if n // g > MAX_KV_GROUPS:
+        return None
     windows: list[int | None] = []
     group, slot = [0] * n, [0] * n
     for w, layers in types.items():

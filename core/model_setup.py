@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig, check_token_budget
 from .errors import ConfigError
-from .kv_hybrid import KVCacheGroups, kv_cache_groups
+from .kv_hybrid import MAX_KV_GROUPS, KVCacheGroups, kv_cache_groups
 from .model import kv_sliding_window, max_model_len_limit, sliding_windows
 from .model_loader import ModelSource, architecture, load_hf_config, resolve_model
 from .registry import Registry
@@ -89,6 +89,10 @@ def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
                         config.disable_hybrid_kv_cache_manager else "pipeline parallelism")
         else:
             groups = kv_cache_groups(layer_windows)
+            if groups is None:
+                logger.info("full and sliding-window layers: one whole block table per request "
+                            "(their layer counts make more than %d KV cache groups of equal "
+                            "size)", MAX_KV_GROUPS)
     return ModelSetup(source, hf_config, device.type, resolve_dtype(config.dtype, device),
                       max_model_len, mnbt, window, groups)
 

@@ -37,12 +37,16 @@ BOUND = W // BS + 2  # blocks a decoding request holds at most per windowed grou
     ([None, W], 2, 1),
     ([None, None, W, W], 2, 2),
     ([None] * 4 + [W] * 24, 7, 4),  # 4 full layers: 1 full group, 6 windowed ones
-    ([W, None, W, None, W, W, W, None], 3, 3),  # 3 full, 5 windowed: groups of 3, 3 and 2
+    ([None] * 16 + [W] * 12, 7, 4),  # gcd 4: 4 full groups, 3 windowed, none padded
+    ([None] * 21 + [W] * 7, 4, 7),
+    ([W, None, W, None, W, W, W, None], 8, 1),  # 3 full, 5 windowed: groups of one layer
     ([None, 16, W, None], 4, 1),  # two windows: each its own type; full split in two
 ])
-def test_layers_group_by_type_in_groups_of_the_smallest_type(windows, num_groups, num_slots):
+def test_layers_group_by_type_in_equal_groups(windows, num_groups, num_slots):
     g = kv_cache_groups(windows)
     assert (g.num_groups, g.num_slots) == (num_groups, num_slots)
+    sizes = [g.layer_group.count(k) for k in range(g.num_groups)]
+    assert sizes == [g.num_slots] * g.num_groups, "a padded group"
     pairs = list(zip(g.layer_group, g.layer_slot))
     assert len(set(pairs)) == len(windows), "two layers share a group's tensor slot"
     assert all(0 <= s < g.num_slots for s in g.layer_slot)
@@ -50,6 +54,23 @@ def test_layers_group_by_type_in_groups_of_the_smallest_type(windows, num_groups
     for k in range(g.num_groups):  # a group's layers fill its slots from 0
         slots = sorted(s for grp, s in pairs if grp == k)
         assert slots == list(range(len(slots)))
+
+
+def test_too_many_groups_keep_whole_tables(tmp_path):
+    assert kv_cache_groups([None] * 15 + [W] * 13) is None  # gcd 1: 28 groups
+    from conftest import build_tiny_model
+    from pagebatch import LLM
+    from pagebatch.kv_cache import KVCacheManager
+
+    folder = build_tiny_model(tmp_path, seed=3, model_type="qwen2", sliding_window=W,
+                              use_sliding_window=True, max_window_layers=5, num_hidden_layers=9)
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64,
+              max_model_len=256)
+    try:  # 5 full + 4 windowed: 9 groups of one layer
+        assert llm.engine.core.setup.kv_groups is None
+        assert type(llm.engine.core.kv_cache) is KVCacheManager
+    finally:
+        llm.engine.shutdown()
 
 
 def test_bad_layer_windows_are_refused():
