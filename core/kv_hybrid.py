@@ -7,10 +7,10 @@ window, or full attention) and of equal size ``g``, the greatest common divisor 
 layer counts, so that every group has exactly ``g`` layers (vLLM takes the smallest count and
 pads the last group of a type; a padded group's block ids cost ``g`` layers' bytes for fewer
 layers, which can make a short request cost more than with one whole table: 16 full + 12
-windowed layers in groups of 12 hold 36 layer slots a block position against 28). The runner allocates ``g`` cache tensors of ``num_blocks`` blocks, and the ``s``-th
-layer of every group uses tensor ``s``: a block id belongs to one group at a time, so layers of
-different groups never write the same block, and a block id costs ``g`` layers' bytes instead
-of all layers'. Each request has one block table per group, all of the same logical length;
+windowed layers in groups of 12 hold 36 layer slots a block position against 28). The runner
+allocates ``g`` cache tensors of ``num_blocks`` blocks, and the ``s``-th layer of every group
+uses tensor ``s``: a block id belongs to one group at a time, so layers of different groups
+never write the same block, and a block id costs ``g`` layers' bytes instead of all layers'. Each request has one block table per group, all of the same logical length;
 a windowed group's table returns the blocks behind its window (core/kv_cache.py), a full one
 keeps all of them, so a long request holds its whole length only in the full groups.
 
@@ -32,7 +32,8 @@ from typing import Sequence
 from .block_hash import BlockHash
 from .kv_cache import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, PrefixCacheStats
 
-__all__ = ["KVCacheGroups", "kv_cache_groups", "MAX_KV_GROUPS", "HybridKVCacheManager", "deinterleave"]
+__all__ = ["KVCacheGroups", "kv_cache_groups", "MAX_KV_GROUPS", "HybridKVCacheManager",
+           "deinterleave"]
 
 
 @dataclass(frozen=True)
