@@ -11,8 +11,9 @@ windowed layers in groups of 12 hold 36 layer slots a block position against 28)
 allocates ``g`` cache tensors of ``num_blocks`` blocks, and the ``s``-th layer of every group
 uses tensor ``s``: a block id belongs to one group at a time, so layers of different groups
 never write the same block, and a block id costs ``g`` layers' bytes instead of all layers'.
-Each request has one block table per group, all of the same logical length; a windowed group's table returns the blocks behind its window (core/kv_cache.py), a full one
-keeps all of them, so a long request holds its whole length only in the full groups.
+Each request has one block table per group, all of the same logical length; a windowed group's
+table returns the blocks behind its window (core/kv_cache.py), a full one keeps all of them, so
+a long request holds its whole length only in the full groups.
 
 `HybridKVCacheManager` has `KVCacheManager`'s interface (the scheduler cannot tell them
 apart). A request's block ids, as handed to the runner (``allocate_slots``, ``block_ids``), are
