@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .kv_hybrid import deinterleave
 from .runner_request import PromptLogprobsJob, RunnerRequest
 from .sampling_columns import SamplingColumns
 from .sampling_inputs import SamplingFlags, SamplingLayout, write_sections
@@ -172,8 +173,8 @@ class InputBatch:
         if g == 1:
             self.block_table[row, have:n] = block_ids
         else:
-            for k, table in enumerate(self.block_tables):
-                table[row, have:n] = block_ids[k::g]
+            for table, ids in zip(self.block_tables, deinterleave(block_ids, g)):
+                table[row, have:n] = ids
         self.num_blocks[row] = n
 
     def _row_of(self, sr: ScheduledRequest) -> int:

@@ -197,6 +197,34 @@ class PrefixCacheStats:
     hits: int = 0
 
 
+class PoolAccounting:
+    """The counters both block managers (this module's and core/kv_hybrid.py's) read off their
+    ``pool`` and ``stats``, and ``can_allocate`` over their ``blocks_needed``."""
+
+    pool: BlockPool
+    stats: PrefixCacheStats
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks that requests can hold (the null block left out)."""
+        return self.pool.num_usable
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
+
+
 @dataclass(eq=False)
 class BlockTable:
     """One request's blocks in the `KVCacheManager`: ``blocks`` in table order, ``block_ids``
@@ -214,7 +242,7 @@ class BlockTable:
         self.block_ids.extend(b.block_id for b in blocks)
 
 
-class KVCacheManager:
+class KVCacheManager(PoolAccounting):
     """Gives requests the blocks they need, step by step, and takes them back.
 
     ``get_computed_blocks(hashes, num_tokens)`` finds a new request's cached prefix;
@@ -249,19 +277,6 @@ class KVCacheManager:
         self.block_tables: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks that requests can hold (the null block left out)."""
-        return self.pool.num_usable
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
     # ---- prefix cache -------------------------------------------------------------------------
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash],
@@ -292,10 +307,6 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.stats.queries += num_tokens
-        self.stats.hits += num_hit_tokens
-
     def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         """How many leading blocks are cached, assuming the first ``start`` are (no counting)."""
         n = start
@@ -316,9 +327,6 @@ class KVCacheManager:
         table = self.block_tables.get(request_id)
         have = len(table.blocks) if table is not None else 0
         return max(0, cdiv(num_tokens, self.block_size) - have)
-
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
 
     def allocate_slots(
         self,
@@ -344,7 +352,7 @@ class KVCacheManager:
         otherwise be another group's hits, still in the free queue).
         """
         table = self.block_tables.get(request_id)
-        self.release_behind_window(request_id, num_computed_tokens)
+        self._release_behind_window(table, num_computed_tokens)
         held = len(table.blocks) if table is not None else 0
         if not new_computed_blocks and num_tokens <= held * self.block_size:
             # the common decode step: the table already covers it (no pool work)
@@ -383,7 +391,9 @@ class KVCacheManager:
     def release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
         """With a sliding window: return the request's blocks wholly behind the window of its
         first token to compute, ``num_computed_tokens`` (`allocate_slots` does it first)."""
-        table = self.block_tables.get(request_id)
+        self._release_behind_window(self.block_tables.get(request_id), num_computed_tokens)
+
+    def _release_behind_window(self, table: BlockTable | None, num_computed_tokens: int) -> None:
         if (table is not None and self.sliding_window is not None
                 and num_computed_tokens >= self.sliding_window + self.block_size - 1):
             self._skip_blocks(table, num_computed_tokens)

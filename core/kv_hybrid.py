@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .block_hash import BlockHash
-from .kv_cache import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, PrefixCacheStats
+from .kv_cache import (BlockPool, BlockTable, KVCacheBlock, KVCacheManager, PoolAccounting,
+                       PrefixCacheStats)
 
 __all__ = ["KVCacheGroups", "kv_cache_groups", "MAX_KV_GROUPS", "HybridKVCacheManager",
-           "deinterleave"]
+           "interleave", "deinterleave"]
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,6 @@ class KVCacheGroups:
     @property
     def num_groups(self) -> int:
         return len(self.windows)
-
-    @property
-    def is_hybrid(self) -> bool:
-        return len(self.windows) > 1
 
 
 MAX_KV_GROUPS = 8  # more groups than this: one whole table instead (`kv_cache_groups`)
@@ -96,12 +93,18 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups | None
     return KVCacheGroups(tuple(windows), tuple(group), tuple(slot), g)
 
 
+def interleave(tables: Sequence[Sequence[int]]) -> list[int]:
+    """One block-id list per group (all of one length) -> the interleaved list (module
+    docstring)."""
+    return [i for ids in zip(*tables) for i in ids]
+
+
 def deinterleave(block_ids: Sequence[int], num_groups: int) -> list[list[int]]:
     """Interleaved block ids (module docstring) -> one list per group."""
     return [list(block_ids[k::num_groups]) for k in range(num_groups)]
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolAccounting):
     """`KVCacheManager`'s interface over several KV cache groups sharing one `BlockPool`
     (module docstring). ``group_windows``: each group's window in tokens, None for full
     attention (`KVCacheGroups.windows`). Block 0 is the null block when a group is windowed.
@@ -125,18 +128,6 @@ class HybridKVCacheManager:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_usable
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     @property
     def block_tables(self) -> dict[str, BlockTable]:
@@ -171,10 +162,6 @@ class HybridKVCacheManager:
             n = shortest  # a shorter hit may need other blocks of a windowed group: look again
         return []
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.stats.queries += num_tokens
-        self.stats.hits += num_hit_tokens
-
     def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         """How many leading blocks the first full-attention group has cached (every group's
         own count when none is full: the smallest), assuming the first ``start`` are."""
@@ -191,9 +178,6 @@ class HybridKVCacheManager:
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         return sum(g.blocks_needed(request_id, num_tokens) for g in self.groups)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
-
     def allocate_slots(
         self,
         request_id: str,
@@ -207,6 +191,13 @@ class HybridKVCacheManager:
         need more free blocks than there are (the blocks behind the windows are returned
         first either way). ``new_computed_blocks``: `get_computed_blocks`' tuples."""
         groups = self.groups
+        if not new_computed_blocks:  # every group's table has one logical length: group 0's
+            t0 = groups[0].block_tables.get(request_id)  # says whether any group needs blocks
+            if t0 is not None and num_tokens <= len(t0.blocks) * self.block_size:
+                for g in groups:  # the decode step: windows slide, full blocks get hashed
+                    g.allocate_slots(request_id, num_tokens, (), block_hashes,
+                                     num_computed_tokens)
+                return []
         hits = [[t[k] for t in new_computed_blocks] for k in range(len(groups))]
         for g in groups:
             g.release_behind_window(request_id, num_computed_tokens)
@@ -217,12 +208,11 @@ class HybridKVCacheManager:
         self.pool.touch(b for h in hits for b in h if b is not null)  # out of the free queue
         new = [g.allocate_slots(request_id, num_tokens, h, block_hashes, num_computed_tokens,
                                 hits_touched=True) for g, h in zip(groups, hits)]
-        return [i for ids in zip(*new) for i in ids]
+        return interleave(new)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block tables, interleaved (a new list)."""
-        tables = [g.block_ids(request_id) for g in self.groups]
-        return [i for ids in zip(*tables) for i in ids]
+        return interleave([g.block_ids(request_id) for g in self.groups])
 
     def free(self, request_id: str) -> None:
         """Return every block of the request, in every group. Unknown ids: a no-op."""

@@ -81,18 +81,18 @@ def resolve_model_setup(config: EngineConfig, registry: Registry) -> ModelSetup:
     check_token_budget(mnbt, max_model_len, config.enable_chunked_prefill)
     layer_windows = sliding_windows(registry.model_class(architecture(hf_config)), hf_config)
     window = kv_sliding_window(layer_windows)
-    groups = None
+    groups, whole_tables = None, None  # (the reason a hybrid model keeps whole tables)
     if window is None and any(w is not None for w in layer_windows):
-        if config.disable_hybrid_kv_cache_manager or config.pipeline_parallel_size > 1:
-            logger.info("full and sliding-window layers: one whole block table per request "
-                        "(%s)", "disable_hybrid_kv_cache_manager" if
-                        config.disable_hybrid_kv_cache_manager else "pipeline parallelism")
-        else:
-            groups = kv_cache_groups(layer_windows)
-            if groups is None:
-                logger.info("full and sliding-window layers: one whole block table per request "
-                            "(their layer counts make more than %d KV cache groups of equal "
-                            "size)", MAX_KV_GROUPS)
+        if config.disable_hybrid_kv_cache_manager:
+            whole_tables = "disable_hybrid_kv_cache_manager"
+        elif config.pipeline_parallel_size > 1:
+            whole_tables = "pipeline parallelism"
+        elif (groups := kv_cache_groups(layer_windows)) is None:
+            whole_tables = (f"their layer counts make more than {MAX_KV_GROUPS} KV cache groups "
+                            f"of equal size")
+    if whole_tables:
+        logger.info("full and sliding-window layers: one whole block table per request (%s)",
+                    whole_tables)
     return ModelSetup(source, hf_config, device.type, resolve_dtype(config.dtype, device),
                       max_model_len, mnbt, window, groups)
 

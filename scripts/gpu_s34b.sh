@@ -25,7 +25,7 @@ grep -E "^FAILED|^ERROR" "$OUT/tests.log" | cut -c1-200 | head -10
 tail -n 4 "$OUT/structured.log"
 exit 0
 fi
-H=".gpu/qwen2.5-7b-hybrid --load-format dummy --max-model-len 16640 --kv-cache-memory 20GiB
+H="examples/configs/qwen2.5-7b-hybrid --load-format dummy --max-model-len 16640 --kv-cache-memory 20GiB
    --num-prompts 32 --input-len 16384 --output-len 256 --max-num-seqs 32 --num-iters 1"
 timeout 250 python3 -m pagebatch.cli bench throughput $H --output "$OUT/hybrid.json" \
     > "$OUT/hybrid.log" 2>&1; echo "hybrid rc=$?"
