@@ -15,7 +15,8 @@ repetition of a class, and an alternation in its place (a class *or* a short esc
 ``\\n``, which the first version of this rewrite allowed) fell off that path: filling a token
 bitmask then took time growing with the characters already generated, 4.5 ms a token under
 ``maxLength: 5``, 0.5 s under ``minLength: 256`` and about 1.5 s a token a few dozen tokens into
-``minLength: 1024`` (against 0.02-0.1 ms with one class; CPU, SmolLM2's tokenizer; on the H200 the
+``minLength: 1024`` (against 0.02-0.1 ms with one class; CPU, SmolLM2's tokenizer,
+scripts/bench_grammar_fill.py [--escapes]; on the H200 the
 JSON-schema benchmark of scripts/bench_structured.py did not finish its first constrained run in
 200 s). So a length-bounded string holds no escape: ``"``, ``\\`` and control characters cannot
 appear in it (the output is valid JSON that validates against the schema; a ``pattern`` of
