@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata, resolve_kv_cache_dtype
+from .cpu_malloc import tune_cpu_malloc
 from .cuda_graphs import CUDAGraphs, capture_sizes
 from .config import EngineConfig
 from .errors import CacheTooSmallError, ConfigError
@@ -82,6 +83,8 @@ class ModelRunner:
         self.device = torch.device(setup.device_type)
         if self.device.type == "cuda" and self.parallel.world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
+        if self.device.type == "cpu":
+            tune_cpu_malloc()  # reuse freed activation memory (core/cpu_malloc.py)
         self.dtype = setup.dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len

@@ -21,4 +21,4 @@ class SiluAndMul(nn.Module):
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """SiLU-and-mul in plain torch (the CPU path and the kernel's reference)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [.., I] buffer, not two
