@@ -57,6 +57,11 @@ def _small_chat(messages: Any, tools: Any) -> bool:
     return total <= INLINE_CHARS
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -178,8 +183,7 @@ class AsyncEngine:
                 outputs = self.engine.abort_request([rid])  # a client answers through step
             except EngineDeadError:
                 return  # the output thread fails every stream
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
     def add_stats_listener(self, listener: Callable[[EngineCoreStats], None]) -> None:
         """Call ``listener(stats)`` on the output thread with each new `EngineCoreStats` of the
@@ -206,8 +210,7 @@ class AsyncEngine:
                 outputs = core.step(timeout=_STEP_WAIT_S)
                 if outputs:
                     with self._lock:
-                        for out in self.engine.process_outputs(outputs):
-                            self._deliver(out)
+                        self._deliver(self.engine.process_outputs(outputs))
                 stats = core.stats()
                 if stats is not reported:  # a new snapshot, with or without outputs
                     reported = stats
@@ -228,17 +231,23 @@ class AsyncEngine:
             except Exception:  # a broken exporter must not stop the engine
                 logger.exception("a stats listener raised; ignored")
 
-    def _deliver(self, out: RequestOutput) -> None:
-        """Hand ``out`` to its stream (call with the lock held)."""
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:  # its event loop is closed: nobody is listening
-            pass
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its stream (call with the lock held): one wake-up of each event
+        loop per call, not one per output (each ``call_soon_threadsafe`` writes to the loop's
+        self-pipe: at 256 streams that was ~11 % of the serving process's busy time)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                pass
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
