@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""What a mixed step costs against a decode-only step (issue 23: serving at moderate rates):
+wall time and GPU kernel time per step, on a GPU machine.
+
+  python3 scripts/mixed_step.py examples/configs/llama-3.1-8b --decodes 32 \\
+      --prefill-lens 128,512 [--extra enforce_eager=true] [--json OUT]
+
+``--decodes`` requests (16 prompt tokens, long outputs) decode throughout. Phase "decode": the
+steps of that batch alone (CUDA graphs unless eager). Phase "mixed L": before every step a new
+request of L prompt tokens and ``max_tokens`` 1 is added, so each step carries the decodes plus
+one L-token prefill (the scheduler's chunk, as in a served run at a request rate). Each phase:
+``--steps`` steps timed without the profiler (wall ms / step), then the same under
+torch.profiler (the sum of GPU kernel times / step). ``busy`` = kernel time / wall: well under
+100 % means the host (launches, input preparation) sets the step's time, not the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _activity():  # the CPU's ops stand in for kernels there: a smoke test only
+    a = torch.profiler.ProfilerActivity
+    return a.CUDA if torch.cuda.is_available() else a.CPU
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--decodes", type=int, default=32)
+    ap.add_argument("--prefill-lens", default="128,512")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--extra", default="", help="engine keys k=v,k=v")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from pagebatch.config import EngineConfig
+    from pagebatch.engine import LLMEngine
+    from pagebatch.request import SamplingParams
+
+    keys = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len)
+    for kv in filter(None, a.extra.split(",")):
+        k, v = kv.split("=")
+        keys[k] = v
+    engine = LLMEngine(EngineConfig.from_sources(cli=keys))
+    rng = random.Random(0)
+    lens = [int(x) for x in a.prefill_lens.split(",")]
+
+    def ids(n: int) -> dict:
+        return {"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n)]}
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    per_phase = 2 * a.steps + 4
+    long = SamplingParams(temperature=0.0, ignore_eos=True,
+                          max_tokens=per_phase * (len(lens) + 1) * 2 + 64)
+
+    def steps(n: int, prefill: int | None) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if prefill:
+                engine.add_request(ids(prefill), one)
+            engine.step()
+        _sync()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    def phase(prefill: int | None) -> dict:
+        steps(4, prefill)  # settle (the first prefill of a length compiles nothing new: warm-up)
+        wall = steps(a.steps, prefill)
+        with torch.profiler.profile(activities=[_activity()]) as prof:
+            steps(a.steps, prefill)
+        kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / a.steps
+        top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:6]
+        return dict(wall_ms=wall, kernel_ms=kernel, busy=kernel / wall,
+                    top=[(e.key[:70], e.self_device_time_total / 1e3 / a.steps) for e in top])
+
+    for _ in range(a.decodes):
+        engine.add_request(ids(16), long)
+    got = set()
+    while len(got) < a.decodes:  # every decode has its first token
+        got |= {o.request_id for o in engine.step()}
+    rows = {"decode": phase(None)}
+    for n in lens:
+        rows[f"mixed {n}"] = phase(n)
+    print(f"{a.model} {a.extra or '(defaults)'}: {a.decodes} decodes")
+    print("| phase | wall ms/step | GPU kernels ms/step | busy |")
+    print("|---|---|---|---|")
+    for k, r in rows.items():
+        print(f"| {k} | {r['wall_ms']:.2f} | {r['kernel_ms']:.2f} | {r['busy']:.0%} |")
+    for k, r in rows.items():
+        print(f"{k}: " + "; ".join(f"{t:.3f} {name}" for name, t in r["top"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
