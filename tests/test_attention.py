@@ -79,3 +79,28 @@ def test_paged_equals_dense(hq, hkv, d, block_size, mixed):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("qlens", [[1, 1, 1, 1, 13, 7], [17, 1, 1, 1], [1, 1, 2, 1, 1]])
+def test_mixed_step_decodes_batched_equal_dense(hq, hkv, d, block_size, qlens):
+    """A mixed step whose decodes sit side by side (the scheduler's order: running requests
+    first) computes them in one batched SDPA; they and the prefills still match dense
+    attention. [1, 1, 2, 1, 1]: decodes on both sides of a prefill (not contiguous) take the
+    per-request loop."""
+    from pagebatch.plugins.attention.torch_ref import _decode_part
+
+    rng = random.Random(len(qlens) * 10 + block_size)
+    lens = [q + rng.randint(0, 40) for q in qlens]
+    backend, cache, meta, q, k, v, ref = make_batch(11, qlens, lens, hq, hkv, d, block_size)
+    backend.write_kv(k, v, cache, meta.slot_mapping)
+    out = backend.forward(q, cache, meta, d ** -0.5)
+    part = _decode_part(meta)
+    ones = [i for i, n in enumerate(qlens) if n == 1]
+    contiguous = ones == list(range(ones[0], ones[-1] + 1))
+    assert (part is not None) == contiguous
+    if part is not None:
+        assert (part[0].seq_begin, part[0].seq_end) == (ones[0], ones[-1] + 1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -2,7 +2,8 @@
 
 Runs anywhere torch runs (CPU and GPU). Math in fp32 whatever the cache dtype. A decode-only
 batch is computed in one gather through slot indices worked out once per step and one masked
-SDPA (no per-layer block-table arithmetic); a batch with prefill chunks loops over requests. An fp8
+SDPA (no per-layer block-table arithmetic); a batch with prefill chunks computes its decodes
+that way too and loops over the prefill requests. An fp8
 cache (float8_e4m3fn) is written by `quantize_fp8` and read back as ``entry.float() * scale``;
 its entries are scattered and gathered as bytes (a uint8 view), since not every torch build has
 fp8 indexing kernels. A sliding window (``sliding_window=W``: position i sees keys j with
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagebatch.attention import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
+from pagebatch.attention import (FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata,
+                                 BatchPart)
 from pagebatch.hookspecs import hookimpl
 
 
@@ -68,7 +70,15 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(query)
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         bs = kv_cache.shape[2]
-        for i in range(metadata.num_seqs):
+        rows = range(metadata.num_seqs)
+        dec = _decode_part(metadata)
+        if dec is not None:  # the step's decodes in one batched SDPA, its prefills one by one
+            part, sub = dec
+            out[part.tok_begin:part.tok_end] = self._decode(
+                query[part.tok_begin:part.tok_end], kv_cache, sub, scale, dtype, k_scale,
+                v_scale, sliding_window)
+            rows = [i for i in rows if not part.seq_begin <= i < part.seq_end]
+        for i in rows:
             s, e, length = qsl[i], qsl[i + 1], lens[i]
             start = 0  # the first block inside the first query's window
             if sliding_window is not None:
@@ -116,6 +126,31 @@ class TorchRefBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :],
                                              scale=scale)
         return out.reshape(b, hq, d).to(query.dtype)
+
+
+def _decode_part(metadata: AttentionMetadata) -> tuple[BatchPart, AttentionMetadata] | None:
+    """A mixed step's decodes as (their `BatchPart`, a decode-only metadata of those requests)
+    when they are contiguous in the batch and more than one (the scheduler puts running
+    requests first), else None. Worked out once per step, kept in ``metadata.backend_cache``
+    (the sub-metadata's own cache then keeps its slot indices for the other layers)."""
+    key = "torch_ref.decode_part"
+    if key in metadata.backend_cache:
+        return metadata.backend_cache[key]
+    part = metadata.parts[0]
+    found = None
+    if part is not None and part.pure and part.seq_end - part.seq_begin > 1:
+        a, b = part.seq_begin, part.seq_end
+        qsl = metadata.query_start_loc_cpu
+        sub = AttentionMetadata(
+            slot_mapping=metadata.slot_mapping[part.tok_begin:part.tok_end],
+            query_start_loc=metadata.query_start_loc[a:b + 1] - qsl[a],
+            seq_lens=metadata.seq_lens[a:b], block_tables=metadata.block_tables[a:b],
+            max_query_len=1, max_seq_len=part.max_seq_len,
+            query_start_loc_cpu=[x - qsl[a] for x in qsl[a:b + 1]],
+            seq_lens_cpu=metadata.seq_lens_cpu[a:b])
+        found = (part, sub)
+    metadata.backend_cache[key] = found
+    return found
 
 
 def _decode_slots(metadata: AttentionMetadata, bs: int,
