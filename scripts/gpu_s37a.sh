@@ -18,7 +18,7 @@ run mixed-graphs 170 python3 scripts/mixed_step.py $C8 --decodes 32 --prefill-le
     --json "$OUT/mixed-graphs.json"
 run mixed-eager 130 python3 scripts/mixed_step.py $C8 --decodes 32 --prefill-lens 64,512 \
     --extra enforce_eager=true --json "$OUT/mixed-eager.json"
-for m in ${PROF:-"qwen2.5-7b awq" "qwen2.5-7b bf16"}; do
+for m in "qwen2.5-7b awq" "qwen2.5-7b bf16"; do
     set -- $m
     q=""; [ "$2" != bf16 ] && q=",quantization=$2"
     run "prof-$1-$2" 120 python3 scripts/profile_engine.py examples/configs/$1 --num-prompts 1 \
