@@ -227,6 +227,11 @@ class EngineConfig:
     enforce_eager: bool = _opt("enforce_eager", False,
                                "Run every step eagerly: no CUDA graphs for decode steps.",
                                parse_bool)
+    piecewise_cuda_graph_max_tokens: int = _opt(
+        "piecewise_cuda_graph_max_tokens", 512,
+        "Steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "
+        "(everything but attention; core/piecewise_graphs.py); 0: such steps run eagerly.",
+        parse_int(0))
     attention_backend: str | None = _opt(
         "attention_backend", None,
         "Attention backend plugin; default triton on CUDA, torch_ref on CPU.", _optional(str))

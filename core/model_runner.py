@@ -21,8 +21,8 @@ import torch
 
 from .attention import AttentionMetadata, resolve_kv_cache_dtype
 from .cpu_malloc import tune_cpu_malloc
-from .cuda_graphs import CUDAGraphs, capture_sizes
 from .config import EngineConfig
+from .cuda_graphs import CUDAGraphs, capture_sizes
 from .errors import CacheTooSmallError, ConfigError
 from .kv_hybrid import KVCacheGroups
 from .kv_window import max_blocks_held
@@ -38,10 +38,12 @@ from .model_loader import (ModelSource, architecture, iter_safetensors, lm_head_
                            select_quantization)
 from .model_setup import ModelSetup
 from .penalties import PenaltyState
+from .piecewise_graphs import PiecewiseGraphs
 from .registry import Registry
 from .sampler import Sampler, apply_token_bitmask
 from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
+from .step_layout import PAD_SLOT
 from .step_warmup import warm_up_step_variants
 from .structured_output import StructuredOutputBatch
 from .step_results import LaunchedStep, RunnerOutput, collect, prompt_logprobs, start_copy_back
@@ -134,6 +136,7 @@ class ModelRunner:
         self._step_buf = torch.zeros(self.input_batch.capacity, dtype=torch.int32,
                                      device=self.device)
         self.graphs: CUDAGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill tokens
         self._pp_in: torch.Tensor | None = None  # a pipeline stage's graph input [seqs, 2H]
         # the last launched step's sampled ids [n] int64 on the device, and request id -> row
         self._last_sampled: torch.Tensor | None = None
@@ -324,6 +327,25 @@ class ModelRunner:
                                      self.input_batch.num_kv_groups)
             self.graphs.capture()
             self._warm_lm_head(self.graphs.sizes)
+        limit = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_batched_tokens)
+        if self.use_cuda_graphs and not self._stage_io and self.parallel.tp_size == 1 \
+                and limit > 0:
+            self.piecewise = PiecewiseGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), limit,
+                self.device, self._prefill_meta, self._step_buf.dtype)
+            self.piecewise.capture()
+
+    def _prefill_meta(self, n: int) -> AttentionMetadata:
+        """One request of ``n`` new tokens at positions 0..n-1 that writes no KV (every slot
+        padding) and reads block 0: the uncaptured run before a piecewise capture."""
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32,
+                                     device=dev),
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
     @torch.inference_mode()
     def _warm_lm_head(self, sizes: list[int]) -> None:
@@ -339,8 +361,8 @@ class ModelRunner:
         """Destroy the captured CUDA graphs (and wait for the device). Before a NCCL process
         group is destroyed: graphs that captured its collectives keep the communicator's
         resources, and destroying the group then waited forever on an H200 pair."""
-        if self.graphs is not None:
-            self.graphs = None
+        if self.graphs is not None or self.piecewise is not None:
+            self.graphs = self.piecewise = None
             gc.collect()
             torch.cuda.synchronize(self.device)
 
@@ -437,7 +459,11 @@ class ModelRunner:
                 max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
                 query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
             ).with_groups(inp.layout.group_views(v))
-            hidden = self.model(v["input_ids"], v["positions"], self.kv_caches, meta)
+            pw, ids = self.piecewise, v["input_ids"]
+            if pw is not None and pw.bucket(ids.shape[0]) is not None:
+                hidden = pw.run(ids, v["positions"], meta)
+            else:
+                hidden = self.model(ids, v["positions"], self.kv_caches, meta)
             if hidden is None:  # a pipeline stage before the last sent its output on
                 return PendingStep(None)
         return PendingStep(inp, v, s, hidden, graph)

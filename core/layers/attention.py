@@ -6,11 +6,25 @@ KV cache, its scalar ``k_scale`` / ``v_scale`` (core/attention.py has the format
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from ..attention import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from ..errors import ConfigError
+
+
+# set by core/piecewise_graphs.py while it captures: called in place of each attention, it ends
+# the graph piece so far and returns the static tensor the next piece reads
+_split: Callable | None = None
+
+
+def set_split(fn: Callable | None) -> None:
+    """Route every `Attention.forward` to ``fn(layer, q, k, v, kv_cache, rope)`` (None: back
+    to attending). Only core/piecewise_graphs.py's capture sets it."""
+    global _split
+    _split = fn
 
 
 class Attention(nn.Module):
@@ -45,7 +59,15 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: this layer's cache. Returns [T, Hq * D].
         ``rope``: (positions [T] int64, a `RotaryEmbedding`) to apply to q and k first: inside
         the backend's KV write and attention when it supports that (``supports_fused_rope``:
-        one kernel fewer per layer), else here."""
+        one kernel fewer per layer), else here. While core/piecewise_graphs.py captures, the
+        call ends the current graph piece instead (`set_split`)."""
+        if _split is not None:
+            return _split(self, q, k, v, kv_cache, rope)
+        return self.attend(q, k, v, kv_cache, metadata, rope)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata, rope: tuple | None = None) -> torch.Tensor:
+        """`forward`'s work: write the new K/V, attend (never captured in a piece)."""
         if self.kv_group and metadata.kv_groups is not None:
             metadata = metadata.kv_groups[self.kv_group]
         kw = {}
