@@ -23,6 +23,7 @@ caller reads the first t rows of the output. One process, no tensor or pipeline 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -90,10 +91,10 @@ class PiecewiseGraphs:
 
     def bucket(self, num_tokens: int) -> int | None:
         """The captured size for a step of ``num_tokens`` tokens, or None (run it eagerly)."""
-        for s in self.sizes:
-            if s >= num_tokens:
-                return s if s in self.buckets else None
-        return None
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        if i == len(self.sizes):
+            return None
+        return self.sizes[i] if self.sizes[i] in self.buckets else None
 
     def _buffers(self, q: torch.Tensor, k: torch.Tensor, out_width: int):
         key = (tuple(q.shape[1:]), tuple(k.shape[1:]), out_width, q.dtype)
@@ -115,7 +116,17 @@ class PiecewiseGraphs:
         stream = torch.cuda.Stream(self._device)
         for size in reversed(self.sizes):
             ids, pos = self.ids[:size], self.positions[:size]
-            self._forward(ids, pos, self._dummy_meta(size))
+            meta = self._dummy_meta(size)
+
+            def probe(layer, q, k, v, kv_cache, rope):  # the static buffers, made uncaptured
+                self._buffers(q, k, layer.num_heads * layer.head_dim)
+                return layer.attend(q, k, v, kv_cache, meta, rope)
+
+            attention_layer.set_split(probe)
+            try:
+                self._forward(ids, pos, meta)
+            finally:
+                attention_layer.set_split(None)
             torch.cuda.synchronize(self._device)
             self.buckets[size] = self._capture_one(size, ids, pos, pool, stream)
         torch.cuda.synchronize(self._device)
