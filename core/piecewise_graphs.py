@@ -7,18 +7,19 @@ kernels from Python) against 7.4 ms of GPU work for 32 decodes + a 64-token chun
 for a 512-token chunk (scripts/mixed_step.py, H100, session 37): in a served run at a request
 rate nearly every step is of that kind. Here the forward is cut at each attention call, as
 vLLM's piecewise CUDA graphs cut it (there through torch.compile's graph splitting; here by a
-hook in `pagebatch.layers.attention.Attention`): for each bucketed token count T (``sizes``:
-8, 16, 24, ... ``max_tokens``) one graph per piece between two attention calls (num_layers + 1 pieces:
-embedding .. layer 0's q/k/v, layer i's o_proj .. layer i+1's q/k/v, the last o_proj .. the
-final norm), all sharing one memory pool. A step of t <= max_tokens tokens copies its ids and
-positions into the static inputs, replays piece 0, runs layer 0's attention eagerly on the
-first t rows of the static q/k/v (with the step's real metadata: any backend, any query
-lengths), copies its output into the static buffer piece 1 reads, replays piece 1, and so on.
+hook in `pagebatch.layers.attention.Attention`): for each bucketed token count T
+(``sizes``: 8, 16, 24, ... ``max_tokens``) one graph per piece between two attention calls
+(num_layers + 1 pieces: embedding .. layer 0's q/k/v, layer i's o_proj .. layer i+1's
+q/k/v, the last o_proj .. the final norm), all sharing one memory pool. A step of
+t <= max_tokens tokens copies its ids and positions into the static inputs, replays piece 0,
+runs layer 0's attention eagerly on the first t rows of the static q/k/v (with the step's real
+metadata: any backend, any query lengths), copies its output into the static buffer piece 1
+reads, replays piece 1, and so on.
 
 Every operation inside a piece acts on each token's row alone (GEMMs, norms, activations,
 embedding), so the padding rows t..T carry stale but finite values that reach no real row; the
 caller reads the first t rows of the output. One process, no tensor or pipeline parallelism
-(their collectives are not captured here). ``stats`` counts replays.
+(their collectives are not captured here). ``num_replays`` counts steps run.
 """
 
 from __future__ import annotations

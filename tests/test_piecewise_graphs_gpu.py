@@ -21,7 +21,8 @@ def test_greedy_tokens_with_and_without_piecewise_graphs(tmp_path, model_type, d
     from numerics import assert_greedy_match, top2_gaps
     from pagebatch import LLM, SamplingParams
 
-    folder = build_tiny_model(tmp_path / "tiny", model_type=model_type, hidden_size=256, intermediate_size=512,
+    folder = build_tiny_model(tmp_path / "tiny", model_type=model_type, hidden_size=256,
+                              intermediate_size=512,
                               num_attention_heads=8, num_key_value_heads=2,
                               max_position_embeddings=1024)
     rng = random.Random(1)
@@ -49,4 +50,5 @@ def test_greedy_tokens_with_and_without_piecewise_graphs(tmp_path, model_type, d
         del llm, runner
         torch.cuda.empty_cache()
     for ref, gaps, got in zip(runs[0][0], runs[0][1], runs[96][0]):
-        assert_greedy_match(ref, gaps, got, what=f"piecewise CUDA graphs vs eager ({model_type}, {dtype})")
+        assert_greedy_match(ref, gaps, got,
+                            what=f"piecewise CUDA graphs vs eager ({model_type}, {dtype})")
