@@ -208,3 +208,21 @@ def test_attention_rule_for_head_layouts(hq, hkv, d, monkeypatch):
             assert cfg.num_splits * hkv >= min(132, ctx // tb.MIN_TOKENS_PER_SPLIT * hkv)
         if seqs * hkv >= 2 * 132:  # the batch's programs fill the GPU twice: no split
             assert cfg.num_splits == 1
+
+
+def test_an_entry_of_more_rows_does_not_serve_a_smaller_bucket(dirs):
+    """A cold cache that the warm-up filled at 16 rows first (it reaches the largest decode
+    bucket first) must not hand that config (the tensor-core kernel, cuBLAS) to one row: the
+    smaller bucket is tuned itself, or takes the rule's guess when it cannot be."""
+    sweep, cache, packaged = dirs
+    _write(packaged, {KEY: {"16": {"src": "packaged-16"}}})
+    fake = Fake([3.0, 1.0])
+    assert fake.choose(9, packaged) == {"src": "packaged-16"}  # within bucket 16
+    assert fake.choose(1, packaged) == {"id": 1, "rows": 1}  # tuned at its own bucket
+    assert fake.benched == 1
+    assert fake.choose(1, packaged) == {"id": 1, "rows": 1}  # remembered
+    assert fake.benched == 1
+    off = Fake([3.0, 1.0])
+    autotune._stats["seconds"] = 1e9  # the budget spent: no tuning
+    assert off.choose(2, packaged) == {"id": 0, "rows": 2}  # the rule, not the 16-row entry
+    assert off.benched == 0

@@ -94,14 +94,18 @@ def choose(kernel: str, device: torch.device, key: str, m: int, directory: Path,
            candidates: Callable[[int], list[Config]], bench: Callable[[int], Bench],
            timer: Timer | None = None) -> Config:
     """The config of ``kernel`` for shape ``key`` at ``m`` rows (1..MAX_BUCKET): a table's
-    entry; else the fastest of ``candidates(bucket)`` (the rule's best guess first, never
-    empty) timed on ``bench(bucket)`` and remembered in the user cache; else (no tuning now,
-    or no candidate ran) ``candidates(bucket)[0]``. ``directory``: the owner's packaged
+    entry measured within ``m``'s bucket (at ``m`` .. ``row_bucket(m)`` rows); else the
+    fastest of ``candidates(bucket)`` (the rule's best guess first, never empty) timed on
+    ``bench(bucket)`` and remembered in the user cache; else (no tuning now, or no candidate
+    ran) ``candidates(bucket)[0]``, even where a table has an entry at more rows. ``directory``: the owner's packaged
     tables. ``timer(cfg, launch) -> seconds`` (default `measure`)."""
-    cfg = tuned.lookup(kernel, device, key, m, directory)
-    if cfg is not None:
-        return cfg
     bucket = row_bucket(m)
+    found = tuned.lookup_measured(kernel, device, key, m, directory)
+    if found is not None and found[0] <= bucket:
+        return found[1]
+    # no entry, or only one measured at more rows than the bucket: a config tuned for 16 rows
+    # (the tensor-core kernel, or cuBLAS) is not one for a single row (the GEMV), and the
+    # start-up warm-up reaches the largest decode bucket first
     cands = candidates(bucket)
     if len(cands) == 1 or not tuning_allowed(device) or precompile.recording():
         return dict(cands[0])

@@ -143,14 +143,33 @@ def lookup(kernel: str, device: torch.device, key: str, m: int,
     ``directory``: the packaged tables of the kernel's owner."""
     if device.type != "cuda":
         return None
+    found = lookup_measured(kernel, device, key, m, directory)
+    return None if found is None else found[1]
+
+
+def lookup_measured(kernel: str, device: torch.device, key: str, m: int,
+                    directory: Path = CONFIG_DIR) -> tuple[int, dict[str, Any]] | None:
+    """`lookup`'s entry with the row count ``M`` it was measured at: ``(M, config)``."""
+    if device.type != "cuda":
+        return None
     name = device_name(device)
     by_m = merged(*({key: t.get(key, {})} for t in (
         _env_table(kernel, name), user_table(kernel, name),
         _file_table(config_path(kernel, name, directory)))))
-    return select(by_m.get(key) or {}, m)
+    return select_measured(by_m.get(key) or {}, m)
 
 
 def select(by_m: dict[int, dict[str, Any]], m: int) -> dict[str, Any] | None:
     """The entry measured at the smallest row count ``>= m`` (a copy), or None."""
+    found = select_measured(by_m, m)
+    return None if found is None else found[1]
+
+
+def select_measured(by_m: dict[int, dict[str, Any]],
+                    m: int) -> tuple[int, dict[str, Any]] | None:
+    """``(M, a copy of the entry)`` for the smallest measured row count ``M >= m``, or None."""
     fits = [mm for mm in by_m if mm >= m]
-    return dict(by_m[min(fits)]) if fits else None
+    if not fits:
+        return None
+    mm = min(fits)
+    return mm, dict(by_m[mm])
