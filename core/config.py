@@ -228,9 +228,10 @@ class EngineConfig:
                                "Run every step eagerly: no CUDA graphs for decode steps.",
                                parse_bool)
     piecewise_cuda_graph_max_tokens: int = _opt(
-        "piecewise_cuda_graph_max_tokens", 512,
+        "piecewise_cuda_graph_max_tokens", 0,
         "Steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "
-        "(everything but attention; core/piecewise_graphs.py); 0: such steps run eagerly.",
+        "(everything but attention; core/piecewise_graphs.py; not yet run on a GPU, so off "
+        "by default); 0: such steps run eagerly.",
         parse_int(0))
     attention_backend: str | None = _opt(
         "attention_backend", None,
