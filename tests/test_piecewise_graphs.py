@@ -5,6 +5,8 @@ CUDA's: tests/test_piecewise_graphs_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,7 +37,9 @@ def test_the_split_hook_cuts_the_forward_at_every_attention_in_order(tmp_path):
     assert runner.piecewise is None  # CUDA only
     model = runner.model
     n = 12
-    meta = runner._prefill_meta(n)
+    # the dummy metadata writes no KV (its slots are padding); here the keys are written to
+    # block 0 so that both forwards read what they wrote, not the uninitialized cache
+    meta = dataclasses.replace(runner._prefill_meta(n), slot_mapping=torch.arange(n))
     ids = torch.arange(3, 3 + n)
     pos = torch.arange(n)
     ref = model(ids, pos, runner.kv_caches, meta)
