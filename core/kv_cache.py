@@ -9,8 +9,9 @@ Prefix caching (the design of vLLM v1's KV cache manager): a full block is ident
 chained over the blocks before it, ``hash(parent_hash, token_ids, extra_keys)`` (SHA-256, with a
 random per-process seed as the root so hashes cannot be predicted across processes or tenants;
 a request's ``cache_salt`` goes into the extra keys of its first block; core/block_hash.py). A
-hit also compares the block's token ids and parent digest, so even a digest collision is a miss. A new request reuses the
-longest run of cached blocks matching its prompt (ref count + 1) and computes only the rest.
+hit also compares the block's token ids and parent digest, so even a digest collision is a
+miss. A new request reuses the longest run of cached blocks matching its prompt (ref count + 1)
+and computes only the rest.
 Freed blocks keep their hash and go to the back of a doubly linked free queue in LRU order with
 O(1) removal (vLLM's ``FreeKVCacheBlockQueue``); they are evicted lazily, only when handed out
 again, and can be revived by a hit until then.

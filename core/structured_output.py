@@ -20,15 +20,15 @@ memoized, travels with the params to the core's process) and compiled once per d
 
 Compiling off the step loop: a constraint's compile time grows faster than its size (a
 3,000-property JSON schema takes 27-33 s in xgrammar on a 2-core CPU, a 50,000-property one
-far longer: scripts/bench_grammar_compile.py), so the core never compiles on its own thread. `StructuredOutputManager.compile` hands
-a constraint not yet compiled to the manager's compile threads (daemon threads: xgrammar
-releases the GIL while it compiles, and a compile that never ends cannot hold the process at
-exit; they run at a lower CPU priority than the step loop) and returns a future; the engine
-core keeps the request out of the scheduler until the future is done (vLLM's ``WAITING_FOR_FSM``), stepping every other request meanwhile, and ends
-it with an error naming its field when the compile fails or outlasts
-``structured_outputs_compile_timeout`` (core/engine_core.py). A thread still compiling past the
-timeout keeps running (a C++ compile cannot be stopped); later constraints queue behind at most
-`COMPILE_THREADS` such compiles.
+far longer: scripts/bench_grammar_compile.py), so the core never compiles on its own thread.
+`StructuredOutputManager.compile` hands a constraint not yet compiled to the manager's compile
+threads (daemon threads: xgrammar releases the GIL while it compiles, and a compile that never ends
+cannot hold the process at exit; they run at a lower CPU priority than the step loop) and returns a
+future; the engine core keeps the request out of the scheduler until the future is done (vLLM's
+``WAITING_FOR_FSM``), stepping every other request meanwhile, and ends it with an error naming its
+field when the compile fails or outlasts ``structured_outputs_compile_timeout``
+(core/engine_core.py). A thread still compiling past the timeout keeps running (a C++ compile cannot
+be stopped); later constraints queue behind at most `COMPILE_THREADS` such compiles.
 
 Overlap (async scheduling): a step's bitmask needs every earlier token of its requests accepted
 by their matchers. With a step in flight, the engine core launches the next step's forward
@@ -238,7 +238,8 @@ class StructuredOutputManager:
         self._compiling: dict[Constraint, Future] = {}  # submitted, not yet taken by `start`
         self._jobs: queue.SimpleQueue[tuple[Constraint, Future]] | None = None
         self._requests: dict[str, TrackedRequest] = {}
-        self._faults: dict[str, RequestFailedError] = {}  # request id -> the error its matcher raised
+        # request id -> the error its matcher raised
+        self._faults: dict[str, RequestFailedError] = {}
         self._bitmask: np.ndarray | None = None  # int32 [rows, bitmask_width(vocab_size)]
         self.num_compiles = 0  # for tests: distinct constraints compiled
 
@@ -356,9 +357,9 @@ class StructuredOutputManager:
     def accept(self, request_id: str, token_id: int
                ) -> SamplingParamsError | RequestFailedError | None:
         """Advance the request's matcher; None when the token is allowed (or the request is not
-        constrained), else the error that ends the request (returned, not raised): a SamplingParamsError whose
-        ``param`` is the constraint's request field (an HTTP 400) when the constraint cannot be
-        met, a RequestFailedError when the backend raised."""
+        constrained), else the error that ends the request (returned, not raised): a
+        SamplingParamsError whose ``param`` is the constraint's request field (an HTTP 400) when
+        the constraint cannot be met, a RequestFailedError when the backend raised."""
         t = self._requests.get(request_id)
         if t is None:
             return None

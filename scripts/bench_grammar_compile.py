@@ -9,7 +9,6 @@ Prints one row per property count: schema bytes, compile seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from pagebatch.model_loader import resolve_model

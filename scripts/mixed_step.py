@@ -22,6 +22,7 @@ import random
 import time
 
 import torch
+from profile_engine import engine_keys
 
 
 def _sync() -> None:
@@ -49,9 +50,7 @@ def main() -> None:
     from pagebatch.request import SamplingParams
 
     keys = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len)
-    for kv in filter(None, a.extra.split(",")):
-        k, v = kv.split("=")
-        keys[k] = v
+    keys.update(engine_keys(a.extra))
     engine = LLMEngine(EngineConfig.from_sources(cli=keys))
     rng = random.Random(0)
     lens = [int(x) for x in a.prefill_lens.split(",")]

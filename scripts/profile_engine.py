@@ -22,6 +22,15 @@ import time
 import torch
 
 
+def engine_keys(extra: str) -> dict:
+    """``--extra "k=v,k=v"`` as engine keys (values stay strings; empty items are skipped)."""
+    keys = {}
+    for kv in filter(None, extra.split(",")):
+        k, v = kv.split("=")
+        keys[k] = v
+    return keys
+
+
 def print_gaps(trace: str, top: int = 8) -> None:
     """From a Chrome trace: the GPU's idle time between kernels (all streams merged), the
     total and the largest gaps with the last kernel before each."""
@@ -69,9 +78,7 @@ def main() -> None:
     from pagebatch.request import SamplingParams
 
     keys = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len)
-    for kv in filter(None, a.extra.split(",")):
-        k, v = kv.split("=")
-        keys[k] = v
+    keys.update(engine_keys(a.extra))
     engine = LLMEngine(EngineConfig.from_sources(cli=keys))
     prompts, _ = make_workload(argparse.Namespace(
         num_prompts=a.num_prompts, input_len=a.input_len, input_len_min=None,

@@ -38,7 +38,8 @@ print(tuned, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20)
 
 def _run(**env: str) -> tuple[bool, float]:
     base = {k: v for k, v in os.environ.items()
-            if k not in ("PAGEBATCH_CPU_MALLOC", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+            if k not in ("PAGEBATCH_CPU_MALLOC", "MALLOC_MMAP_THRESHOLD_",
+                         "MALLOC_TRIM_THRESHOLD_")}
     out = subprocess.run([sys.executable, "-c", _CHILD], env={**base, **env}, check=True,
                          capture_output=True, text=True).stdout.split()
     return out[0] == "True", float(out[1])

@@ -6,8 +6,8 @@ path, ``QuantLinear.forward`` on an identity; near-tie rule, tests/numerics.py).
 Layouts: ``shared``, one act-order permutation per layer input (q/k/v share one, gate/up one:
 GPTQ's order comes from the Hessian of the input), which keeps the fast path (one ``perm`` per
 layer); ``per_shard``, every projection its own permutation (shards calibrated apart, legal in
-the format), which loads through the per-shard fallback (``shard_orders``, quant/wna16.py); ``mixed``, some
-shards of a fused layer sharing a permutation and others not (the fallback too).
+the format), which loads through the per-shard fallback (``shard_orders``, quant/wna16.py);
+``mixed``, some shards of a fused layer sharing a permutation and others not (the fallback too).
 Sym and asym grids (v1 format: zero points stored minus one), group sizes 32, 64 and 128 on a
 tiny Llama of hidden size 128 (intermediate 256).
 """

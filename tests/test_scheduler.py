@@ -252,7 +252,8 @@ def test_preemption_victim_is_last_admitted_and_recomputes():
 
     so = sched.schedule()
     assert so.preempted_request_ids == ["b"]
-    assert batch(so, runner) == [("a", [s1["a"]], 4, [0, 1], True)]  # c is not admitted in this step
+    # c is not admitted in this step
+    assert batch(so, runner) == [("a", [s1["a"]], 4, [0, 1], True)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.stats.num_preemptions == 1
     assert sched.kv_cache.block_ids("b") == [] and sched.kv_cache.num_free_blocks == 0

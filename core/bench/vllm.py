@@ -47,8 +47,8 @@ def engine_args(job: dict[str, Any]) -> dict[str, Any]:
 def compare_vllm(args: argparse.Namespace, config: EngineConfig, setup: ModelSetup,
                  prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any] | int:
     """Run the workload (``prompts`` of token ids, ``out_lens`` tokens each) on vLLM's offline
-    ``LLM`` over the model of ``setup`` with the limits pagebatch ran with. Returns its result, or an
-    exit status: 2 when vllm is not importable, the process's own when it failed (the tail of
+    ``LLM`` over the model of ``setup`` with the limits pagebatch ran with. Returns its result, or
+    an exit status: 2 when vllm is not importable, the process's own when it failed (the tail of
     its stderr printed)."""
     if importlib.util.find_spec("vllm") is None:
         print("--compare vllm needs the vllm package importable (on the GPU machine: "

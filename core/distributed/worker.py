@@ -17,9 +17,9 @@ Start-up, on every rank in the same order (the driver's side is core/distributed
 load plugins, say ``hello``; join the process groups; build the runner (load weights), say
 ``loaded``; wait for the driver's ``go`` (so a slow loader does not time out a collective); size
 the KV cache and agree on the smallest block count (an all-reduce), allocate it, say ``ready``.
-Then: read a step (new requests bring their sampling state in it), run it, and on the last pipeline stage's TP
-rank 0 (when there are stages) send its `RunnerOutput` back. An exception is logged, reported
-to the driver and ends the process with status 1: a rank that skips a step would leave the
+Then: read a step (new requests bring their sampling state in it), run it, and on the last pipeline
+stage's TP rank 0 (when there are stages) send its `RunnerOutput` back. An exception is logged,
+reported to the driver and ends the process with status 1: a rank that skips a step would leave the
 others waiting in a collective.
 """
 

@@ -97,8 +97,8 @@ def choose(kernel: str, device: torch.device, key: str, m: int, directory: Path,
     entry measured within ``m``'s bucket (at ``m`` .. ``row_bucket(m)`` rows); else the
     fastest of ``candidates(bucket)`` (the rule's best guess first, never empty) timed on
     ``bench(bucket)`` and remembered in the user cache; else (no tuning now, or no candidate
-    ran) ``candidates(bucket)[0]``, even where a table has an entry at more rows. ``directory``: the owner's packaged
-    tables. ``timer(cfg, launch) -> seconds`` (default `measure`)."""
+    ran) ``candidates(bucket)[0]``, even where a table has an entry at more rows. ``directory``:
+    the owner's packaged tables. ``timer(cfg, launch) -> seconds`` (default `measure`)."""
     bucket = row_bucket(m)
     found = tuned.lookup_measured(kernel, device, key, m, directory)
     if found is not None and found[0] <= bucket:

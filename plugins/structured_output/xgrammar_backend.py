@@ -5,8 +5,8 @@ Constraints compile with xgrammar's `GrammarCompiler` (its own cache too) agains
 `TokenizerInfo` of the model's Hugging Face tokenizer; each request gets a `GrammarMatcher`.
 JSON is compiled with ``any_whitespace=False`` (vLLM's ``disable_any_whitespace``): compact
 JSON, so a small model cannot loop on whitespace; strings with minLength / maxLength get a
-JSON-correct character rule (xgrammar issue #800, xgrammar_strings.py). A choice list is the regex of its
-alternatives, each escaped. xgrammar is imported on first use, so loading this plugin (every
+JSON-correct character rule (xgrammar issue #800, xgrammar_strings.py). A choice list is the regex
+of its alternatives, each escaped. xgrammar is imported on first use, so loading this plugin (every
 start does) costs nothing where no request asks for structured output, and a machine without
 xgrammar starts quietly.
 """

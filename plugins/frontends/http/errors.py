@@ -3,8 +3,9 @@ mapped to OpenAI error responses, and response ids. A leaf: it imports neither o
 
 `as_api_error`: input errors (`ApiError`, `InvalidRequestError`) 400 or their own status, a dead
 engine 503, anything else 500 (logged); `request_failed`: the exception of a request the engine
-ended with an error (a 400 naming the field when it was the request's fault); `error_response`: the JSON body
-``{"error": {"message", "type", "param", "code"}}`` at that status; `new_id`: ``KIND-<32 hex>``.
+ended with an error (a 400 naming the field when it was the request's fault); `error_response`:
+the JSON body ``{"error": {"message", "type", "param", "code"}}`` at that status;
+`new_id`: ``KIND-<32 hex>``.
 """
 
 from __future__ import annotations
