@@ -38,6 +38,9 @@ timeout ${BENCH_S:-300} python3 -m pagebatch.cli bench serve --base-url "http://
     --range-ratio "${RANGE:-0.5}" --shared-prefix-len "${PREFIX:-0}" --vocab-size 49152 \
     --rates "${RATES:-8,16,32,64,inf}" --goodput ttft:500 itl:50 --output "$OUT/serve-$tag.json" \
     > "$OUT/serve-$tag.log" 2>&1; echo "$tag: bench rc=$?"
+# the server's own histograms (its ITL as it emits, against the client's as it receives)
+python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics', timeout=5).read().decode())" \
+    > "$OUT/metrics-$tag.txt" 2>&1
 kill -INT $pid 2>/dev/null
 for _ in $(seq 20); do kill -0 $pid 2>/dev/null || break; sleep 1; done
 pkill -9 -f "api_server|pagebatch.cli serve|EngineCore|VLLM" 2>/dev/null
