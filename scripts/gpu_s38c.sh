@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 38, call C (one GPU): the piecewise GPU tests with a workload whose steps carry small
-# prefill chunks (call B's greedy cases replayed the pieces once), then `pagebatch serve` over
-# gpu_serve.sh's sweep with piecewise graphs up to 512 and up to 2048 tokens, one after the other.
+# prefill chunks (call B's greedy cases replayed the pieces once), then `pagebatch serve` (with
+# the frontend's gc.freeze) over 8 / 32 / 64 req/s with piecewise graphs up to 512 and 2048 tokens.
 #   bash scripts/gpu-run bash scripts/gpu_s38c.sh        # carry .whl .gpu; files in $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
