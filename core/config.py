@@ -228,12 +228,10 @@ class EngineConfig:
                                "Run every step eagerly: no CUDA graphs for decode steps.",
                                parse_bool)
     piecewise_cuda_graph_max_tokens: int = _opt(
-        "piecewise_cuda_graph_max_tokens", 0,
+        "piecewise_cuda_graph_max_tokens", 512,
         "Steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "
-        "(everything but attention; core/piecewise_graphs.py; each step checked against "
-        "the eager forward on an H100, 512 used in session 38's serve runs; off by default "
-        "until the greedy end-to-end GPU test has run with replays); 0: such steps run "
-        "eagerly.",
+        "(everything but attention; core/piecewise_graphs.py; CUDA, one process, not with "
+        "enforce_eager); 0: such steps run eagerly.",
         parse_int(0))
     attention_backend: str | None = _opt(
         "attention_backend", None,
