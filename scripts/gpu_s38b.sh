@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 38, call B (one GPU, a new machine after the cut-off try): piecewise CUDA graphs' GPU
 # tests again (call A's bf16 cases failed on the near-tie rule of fp32; now a bf16 tie margin
-# and a per-step hidden-state test), then batch-1 decode on the shapes call A had no time for
-# (qwen3-4b gptq, mistral-nemo-12b bf16 / awq / gptq) from an empty user cache.
+# and a per-step hidden-state test), then batch-1 decode on Mistral-Nemo-12B (bf16 / awq / gptq),
+# which call A had no time for, from an empty user cache.
 #   bash scripts/gpu-run bash scripts/gpu_s38b.sh        # logs and JSON in $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."

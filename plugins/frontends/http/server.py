@@ -409,9 +409,10 @@ def serve(config: EngineConfig) -> int:
             timeout_graceful_shutdown=settings.shutdown_timeout + ABORT_GRACE_S))
         logger.info("serving %s on http://%s:%d", app.state.server.model_name, settings.host,
                     settings.port)
-        # start-up's objects (torch, transformers, the tokenizer, the app: ~300k) never scanned
-        # again: a full collection of them took ~170 ms on the CPU machine, a stall of every
-        # stream at once (the engine core process freezes its own: engine_core.py)
+        # start-up's objects (torch, transformers, the tokenizer, the app: ~310k) never scanned
+        # again: a full collection of them takes 140-180 ms on the CPU machine
+        # (scripts/frontend_gc_cost.py), a stall of every stream at once; the engine core
+        # process freezes its own (engine_core.py)
         gc.collect()
         gc.freeze()
         server.run()
