@@ -30,6 +30,7 @@ from .engine_core import EngineCoreStats
 from .errors import EngineDeadError
 from .registry import Registry
 from .request import RequestOutput, SamplingParams
+from .stall_log import turn_clock
 from .structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -205,16 +206,26 @@ class AsyncEngine:
     def _output_loop(self) -> None:
         core = self.engine.core
         reported = None
+        clock = turn_clock()  # PAGEBATCH_SLOW_STEP_MS (core/stall_log.py)
         while not self._stopping.is_set():
             try:
                 outputs = core.step(timeout=_STEP_WAIT_S)
+                clock.start()  # the wait for the core is not this thread's time
                 if outputs:
                     with self._lock:
-                        self._deliver(self.engine.process_outputs(outputs))
+                        clock.mark("lock")
+                        processed = self.engine.process_outputs(outputs)
+                        clock.mark("detokenize")
+                        self._deliver(processed)
+                        clock.mark("deliver")
                 stats = core.stats()
                 if stats is not reported:  # a new snapshot, with or without outputs
                     reported = stats
                     self._report_stats(reported)
+                clock.mark("stats")
+                if clock.slow:
+                    clock.note(f"{len(outputs)} outputs")
+                    logger.warning("slow output thread turn: %s", clock.describe())
             except EngineDeadError as e:
                 self._fail_all(e)
                 return

@@ -110,6 +110,7 @@ class InprocClient(BusyLoopClient):
         outputs = self._loop.run_once(timeout)
         if outputs:
             self._stats = self.core.stats()
+        self._loop.log_if_slow()
         return outputs
 
     def shutdown(self) -> None:

@@ -37,6 +37,7 @@ from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineC
 from .errors import SamplingParamsError
 from .registry import registry
 from .request import FinishReason
+from .stall_log import NullClock, watch_triton_compiles
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class CoreBusyLoop:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
+        # PAGEBATCH_SLOW_STEP_MS (core/stall_log.py): the core marks its step's phases on it
+        self.clock = getattr(core, "clock", None) or NullClock()
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.stopped = False
 
@@ -59,19 +62,35 @@ class CoreBusyLoop:
         while the core has no work; then run one step if there is work. Returns the outputs of
         the aborts and of the step."""
         outputs: list[EngineCoreOutput] = []
+        clock = self.clock
+        started = False
         try:
             if self.core.has_work:
+                clock.start()
+                started = True
                 msg = self.inbox.get_nowait()
             else:
                 msg = self.inbox.get(timeout=timeout)
+                clock.start()  # the wait for a message is idle time, not the turn's
+                started = True
             while True:
                 outputs.extend(self._apply(msg))
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             pass
+        if not started:
+            clock.start()
+        clock.mark("messages")
         if not self.stopped and self.core.has_work:
             outputs.extend(self.core.step())
         return outputs
+
+    def log_if_slow(self) -> None:
+        """Log the turn just run (WARNING) when it took longer than PAGEBATCH_SLOW_STEP_MS;
+        the caller marks its own phases (sending the outputs) before."""
+        clock = self.clock
+        if clock.slow:
+            logger.warning("slow engine core turn: %s", clock.describe())
 
     def _apply(self, msg: Any) -> list[EngineCoreOutput]:
         if isinstance(msg, EngineCoreRequest):
@@ -117,6 +136,10 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
     except BaseException as e:  # typed errors go back to the front half as they are
         _send_error(output_conn, "startup_error", e)
         return
+    # start-up's warm-up and captures are done: a kernel compiled from now on stalls every
+    # stream, so say so (core/stall_log.py)
+    if getattr(getattr(core.runner, "device", None), "type", None) == "cuda":
+        watch_triton_compiles("engine core")
     loop = CoreBusyLoop(core)
     threading.Thread(target=_read_inputs, args=(input_conn, loop.inbox, parent_pid),
                      name="pagebatch-core-input", daemon=True).start()
@@ -127,6 +150,8 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
             outputs = loop.run_once()
             if outputs or not loop.stopped:  # a prefill chunk's step has no outputs, but its
                 output_conn.send(("outputs", outputs, core.stats()))  # stats are news
+            loop.clock.mark("send")
+            loop.log_if_slow()
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass  # the front half is gone: nobody to report to
     except BaseException as e:

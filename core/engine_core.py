@@ -31,6 +31,7 @@ from .registry import Registry, registry as default_registry
 from .sampling_state import SamplingState
 from .request import FinishReason, LogprobsLists, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .stall_log import describe_step, turn_clock
 from .structured_output import StructuredOutputBackend, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,9 @@ class EngineCore:
             lambda: make_structured_output_backend(config, setup, registry),
             int(setup.hf_config.vocab_size), config.max_num_seqs)
         self._grammar_wait: dict[str, _WaitingForGrammar] = {}  # request id -> it
+        # PAGEBATCH_SLOW_STEP_MS: the phases of a slow turn (core/stall_log.py); the loop that
+        # steps the core (core/core_proc.py) starts the clock each turn and logs
+        self.clock = turn_clock()
         gc.collect()
         gc.freeze()  # the model's and the cache's objects: never scanned by the collector again
         tokens = num_blocks * config.block_size
@@ -349,6 +353,10 @@ class EngineCore:
             if structured and not defer:
                 so.structured_output = self._bitmask(so)
             self._mark_scheduled(so)
+            clock = self.clock
+            clock.mark("schedule")
+            if clock.enabled and not so.is_empty:
+                clock.note("scheduled " + describe_step(so))
             outputs += self._drain_rejected()
             if defer:
                 return outputs + self._step_deferred(so)
@@ -358,6 +366,7 @@ class EngineCore:
                 raise
             except Exception as e:
                 raise self._step_failed(so, e) from e
+            self.clock.mark("launch")
             if not so.is_empty:
                 queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
                 if len(queue) < self._max_in_flight and (
@@ -379,7 +388,13 @@ class EngineCore:
             raise
         except Exception as e:
             raise self._step_failed(step.so, e) from e
-        return self._update(step, result)
+        clock = self.clock
+        clock.mark("wait")
+        if clock.enabled:
+            clock.note("finished " + describe_step(step.so))
+        outputs = self._update(step, result)
+        self.clock.mark("update")
+        return outputs
 
     def _step_deferred(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         """Step ``so`` with a structured output request in the engine and a step in flight:

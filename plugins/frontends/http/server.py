@@ -37,6 +37,7 @@ from pagebatch.errors import ConfigError, EngineDeadError
 from pagebatch.prompt_length import tokenize_within
 from pagebatch.registry import registry
 from pagebatch.request import SamplingParams
+from pagebatch.stall_log import slow_step_threshold_s, watch_event_loop
 from pagebatch.tool_parser import ToolParser
 
 from . import protocol as proto
@@ -457,6 +458,12 @@ def draining_server(state: Server, config: Any) -> Any:
             elif time.monotonic() - self.dead_since >= ENGINE_DEAD_GRACE_S:
                 self.should_exit = True
             return await super().on_tick(counter)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            threshold = slow_step_threshold_s()  # PAGEBATCH_SLOW_STEP_MS: core/stall_log.py
+            if threshold is not None:
+                self.loop_watch = watch_event_loop(threshold)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             state.draining = True
