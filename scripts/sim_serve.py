@@ -8,9 +8,15 @@ seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size
     max(weights_s, tokens * flop_per_token / flops) + host_s + context_tokens * kv_bytes / hbm
 
 (defaults: the Llama-3.1-8B shape in bf16 on an H200: 16 GB of weights over 4 TB/s = 4 ms,
-16 GFLOP per token at 600 TFLOP/s, 1 ms of host and launch time, 128 KiB of KV per token).
+16 GFLOP per token at 600 TFLOP/s, 1 ms of host and launch time, 128 KiB of KV per token);
+a step with prefill tokens above ``--graph-max-tokens`` (no piecewise CUDA graph) takes
+max(GPU time, ``--eager-host-s``) instead. Also counts the requests whose longest gap between
+two tokens passed ``--itl-slo-ms`` (what fails a goodput ITL SLO).
 
     .venv/bin/python scripts/sim_serve.py 8 16 32
+    # session 39, the H100 of session 38 (16 GB / 3 TB/s, 550 TFLOP/s, eager past 512 tokens):
+    .venv/bin/python scripts/sim_serve.py 8 32 64 1000 --max-num-batched-tokens 16384 \
+        --graph-max-tokens 512 --weights-s 5.3e-3 --flops 550e12 --hbm 3e12
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
     now = 0.0
     sched = Scheduler(KVCacheManager(50_000, 16), FCFSPolicy(None), 256, mnbt,
                       clock=lambda: now)
-    arrived, first, last, count = {}, {}, {}, {}
+    arrived, first, last, count, prev, gap = {}, {}, {}, {}, {}, {}
     i = steps = mixed = 0
     while len(last) < num:
         while i < num and arrivals[i][0] <= now:
@@ -52,24 +58,32 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
         context = sum(s.start_pos + len(s.token_ids) for s in so.scheduled)
         steps += 1
         mixed += any(len(s.token_ids) > 1 for s in so.scheduled)
-        now += (max(a.weights_s, so.num_scheduled_tokens * a.flop_per_token / a.flops)
-                + a.host_s + context * a.kv_bytes / a.hbm)
+        gpu = (max(a.weights_s, so.num_scheduled_tokens * a.flop_per_token / a.flops)
+               + context * a.kv_bytes / a.hbm)
+        eager = so.num_scheduled_tokens > a.graph_max_tokens and any(
+            len(s.token_ids) > 1 for s in so.scheduled)  # no CUDA graph: host-bound launches
+        now += max(gpu, a.eager_host_s) if eager else gpu + a.host_s
         for req, toks in sched.update_from_output(
                 so, {s.request_id: 5 for s in so.scheduled if s.sample}):
             rid = req.request_id
             first.setdefault(rid, now)
+            if toks and rid in prev:
+                gap[rid] = max(gap.get(rid, 0.0), now - prev[rid])
+            if toks:
+                prev[rid] = now
             count[rid] = count.get(rid, 0) + len(toks)
             if req.is_finished:
                 last[rid] = now
     ttft = sorted(first[r] - arrived[r] for r in first)
     tpot = sorted((last[r] - first[r]) / (count[r] - 1) for r in last if count[r] > 1)
+    slow = sum(gap.get(r, 0.0) > a.itl_slo_ms / 1e3 for r in last)
 
     def q(v, p):
         return v[min(len(v) - 1, int(p * len(v)))] * 1e3
 
     return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), TTFT p50 / p99 "
             f"{q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, TPOT p50 / p99 {q(tpot, .5):.1f} / "
-            f"{q(tpot, .99):.1f} ms")
+            f"{q(tpot, .99):.1f} ms, {slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms")
 
 
 def main() -> None:
@@ -83,6 +97,11 @@ def main() -> None:
     p.add_argument("--host-s", type=float, default=1.0e-3)
     p.add_argument("--kv-bytes", type=float, default=128 * 1024)
     p.add_argument("--hbm", type=float, default=4e12)
+    p.add_argument("--graph-max-tokens", type=int, default=10**9,
+                   help="steps with prefill tokens above this run eagerly (no piecewise graph)")
+    p.add_argument("--eager-host-s", type=float, default=21e-3,
+                   help="host time of an eager step (session 37, 8B shape: ~21 ms)")
+    p.add_argument("--itl-slo-ms", type=float, default=50.0)
     a = p.parse_args()
     for rate in a.rates:
         print(simulate(rate, a.num, a.max_num_batched_tokens, a))
