@@ -40,7 +40,7 @@ from .model_setup import ModelSetup
 from .penalties import PenaltyState
 from .piecewise_graphs import PiecewiseGraphs
 from .registry import Registry
-from .sampler import Sampler, apply_token_bitmask
+from .sampler import Sampler, apply_token_bitmask, row_argmax
 from .sampling_inputs import sampling_batch
 from .scheduler import SchedulerOutput
 from .step_layout import PAD_SLOT
@@ -351,11 +351,16 @@ class ModelRunner:
     def _warm_lm_head(self, sizes: list[int]) -> None:
         """The LM head (outside the graphs) once at each decode bucket of ``sizes`` up to
         GEMV_MAX_M rows: its config (table, autotuner, rule: core/kernels/autotune.py) is then
-        settled at start, not at the first step of that many requests."""
+        settled at start, not at the first step of that many requests. The sampler's argmax
+        kernel runs once on those logits too: otherwise its variant compiled (or loaded from
+        Triton's disk cache, 2-3 ms on an H100, session 39) at the first token served."""
         if not self.parallel.is_last_stage:
             return
+        logits = None
         for bs in (s for s in sizes if s <= GEMV_MAX_M):
-            self.model.compute_logits(self.graphs.outputs[bs])
+            logits = self.model.compute_logits(self.graphs.outputs[bs])
+        if logits is not None:
+            row_argmax(logits)
 
     def release_graphs(self) -> None:
         """Destroy the captured CUDA graphs (and wait for the device). Before a NCCL process

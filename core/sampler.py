@@ -206,7 +206,7 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> torch.Tensor:
             - p.presence[:, None] * seen.to(logits.dtype))
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of [n, vocab]: on CUDA core/kernels/argmax.py (one row spread over
     many programs: torch's reduction gives a row one block, ~27 us at batch 1 on an H200)."""
     if x.is_cuda:
@@ -219,7 +219,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Greedy rows: argmax (first index on ties). Other rows: temperature, min-p, top-k, top-p,
     then a Gumbel-max draw. logits: [n, vocab] fp32 -> [n] int64."""
-    greedy = _argmax(logits)
+    greedy = row_argmax(logits)
     if batch.all_greedy:
         return greedy
     is_greedy = batch.temperature < GREEDY_EPS
@@ -236,7 +236,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                               batch.top_p if batch.any_top_p else None)
     u = counter_uniform(batch.seeds, batch.positions, x.shape[-1])
     gumbel = -torch.log(-torch.log(u))
-    sampled = _argmax(x + gumbel)
+    sampled = row_argmax(x + gumbel)
     return torch.where(is_greedy, greedy, sampled)
 
 
