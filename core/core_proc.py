@@ -31,6 +31,8 @@ import threading
 import traceback
 from typing import Any
 
+import torch
+
 from .config import EngineConfig
 from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
                           EngineCoreShutdown)
@@ -62,25 +64,19 @@ class CoreBusyLoop:
         while the core has no work; then run one step if there is work. Returns the outputs of
         the aborts and of the step."""
         outputs: list[EngineCoreOutput] = []
-        clock = self.clock
-        started = False
         try:
-            if self.core.has_work:
-                clock.start()
-                started = True
-                msg = self.inbox.get_nowait()
-            else:
-                msg = self.inbox.get(timeout=timeout)
-                clock.start()  # the wait for a message is idle time, not the turn's
-                started = True
-            while True:
-                outputs.extend(self._apply(msg))
-                msg = self.inbox.get_nowait()
+            msg = (self.inbox.get_nowait() if self.core.has_work
+                   else self.inbox.get(timeout=timeout))
         except queue.Empty:
-            pass
-        if not started:
-            clock.start()
-        clock.mark("messages")
+            msg = None
+        self.clock.start()  # the wait for a message is idle time, not the turn's
+        while msg is not None:
+            outputs.extend(self._apply(msg))
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+        self.clock.mark("messages")
         if not self.stopped and self.core.has_work:
             outputs.extend(self.core.step())
         return outputs
@@ -138,7 +134,7 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
         return
     # start-up's warm-up and captures are done: a kernel compiled from now on stalls every
     # stream, so say so (core/stall_log.py)
-    if getattr(getattr(core.runner, "device", None), "type", None) == "cuda":
+    if torch.cuda.is_initialized():  # this process runs the model on a GPU
         watch_triton_compiles("engine core")
     loop = CoreBusyLoop(core)
     threading.Thread(target=_read_inputs, args=(input_conn, loop.inbox, parent_pid),

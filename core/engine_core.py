@@ -366,7 +366,7 @@ class EngineCore:
                 raise
             except Exception as e:
                 raise self._step_failed(so, e) from e
-            self.clock.mark("launch")
+            clock.mark("launch")
             if not so.is_empty:
                 queue.append(_InFlight(handle, so, self._sampling_snapshot(so)))
                 if len(queue) < self._max_in_flight and (
@@ -393,7 +393,7 @@ class EngineCore:
         if clock.enabled:
             clock.note("finished " + describe_step(step.so))
         outputs = self._update(step, result)
-        self.clock.mark("update")
+        clock.mark("update")
         return outputs
 
     def _step_deferred(self, so: SchedulerOutput) -> list[EngineCoreOutput]:

@@ -110,7 +110,6 @@ class NullClock:
     """`TurnClock`'s interface doing nothing (the loops' clock while the variable is unset)."""
 
     enabled = False
-    threshold_s = float("inf")
     slow = False
 
     def start(self) -> None:

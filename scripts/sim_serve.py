@@ -45,6 +45,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
                       clock=lambda: now)
     arrived, first, last, count, prev, gap = {}, {}, {}, {}, {}, {}
     i = steps = mixed = 0
+    long_steps = []  # tokens of each step longer than the ITL SLO
     while len(last) < num:
         while i < num and arrivals[i][0] <= now:
             r = make_request(f"r{i}", arrivals[i][1], max_tokens=arrivals[i][2], ignore_eos=True)
@@ -62,7 +63,10 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
                + context * a.kv_bytes / a.hbm)
         eager = so.num_scheduled_tokens > a.graph_max_tokens and any(
             len(s.token_ids) > 1 for s in so.scheduled)  # no CUDA graph: host-bound launches
-        now += max(gpu, a.eager_host_s) if eager else gpu + a.host_s
+        dt = max(gpu, a.eager_host_s) if eager else gpu + a.host_s
+        now += dt
+        if dt > a.itl_slo_ms / 1e3:
+            long_steps.append(so.num_scheduled_tokens)
         for req, toks in sched.update_from_output(
                 so, {s.request_id: 5 for s in so.scheduled if s.sample}):
             rid = req.request_id
@@ -83,7 +87,9 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
 
     return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), TTFT p50 / p99 "
             f"{q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, TPOT p50 / p99 {q(tpot, .5):.1f} / "
-            f"{q(tpot, .99):.1f} ms, {slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms")
+            f"{q(tpot, .99):.1f} ms, {slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms"
+            + (f" ({len(long_steps)} steps over it, {min(long_steps)}-{max(long_steps)} tokens)"
+               if long_steps else ""))
 
 
 def main() -> None:
