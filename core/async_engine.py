@@ -30,7 +30,7 @@ from .engine_core import EngineCoreStats
 from .errors import EngineDeadError
 from .registry import Registry
 from .request import RequestOutput, SamplingParams
-from .stall_log import turn_clock
+from .stall_log import NullClock, TurnClock, turn_clock
 from .structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -204,9 +204,15 @@ class AsyncEngine:
     # ---- the output thread --------------------------------------------------------------------
 
     def _output_loop(self) -> None:
+        clock = turn_clock()  # PAGEBATCH_SLOW_STEP_MS (core/stall_log.py)
+        try:
+            self._output_turns(clock)
+        finally:
+            clock.close()
+
+    def _output_turns(self, clock: TurnClock | NullClock) -> None:
         core = self.engine.core
         reported = None
-        clock = turn_clock()  # PAGEBATCH_SLOW_STEP_MS (core/stall_log.py)
         while not self._stopping.is_set():
             try:
                 outputs = core.step(timeout=_STEP_WAIT_S)

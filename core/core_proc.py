@@ -39,7 +39,7 @@ from .engine_core import (EngineCore, EngineCoreAbort, EngineCoreOutput, EngineC
 from .errors import SamplingParamsError
 from .registry import registry
 from .request import FinishReason
-from .stall_log import NullClock, watch_triton_compiles
+from .stall_log import NullClock, cuda_allocator_counters, watch_triton_compiles
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ def run_engine_core(config: EngineConfig, input_conn: Any, output_conn: Any,
     # stream, so say so (core/stall_log.py)
     if torch.cuda.is_initialized():  # this process runs the model on a GPU
         watch_triton_compiles("engine core")
+        if core.clock.enabled:  # a slow turn names the caching allocator's events in it
+            core.clock.counters = cuda_allocator_counters()
     loop = CoreBusyLoop(core)
     threading.Thread(target=_read_inputs, args=(input_conn, loop.inbox, parent_pid),
                      name="pagebatch-core-input", daemon=True).start()

@@ -218,6 +218,7 @@ class EngineCore:
         self._grammar_wait.clear()
         self._batch_queue.clear()
         self.executor.shutdown()
+        self.clock.close()
 
     def stats(self) -> EngineCoreStats:
         """The core's state now, and the per-request times recorded since the last call."""

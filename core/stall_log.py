@@ -12,7 +12,12 @@ the next token of every running stream at once: one 100 ms stall per second puts
   outputs sent) and what its steps held (rows, prefill tokens); the front half (core/
   async_engine.py) a turn of its output thread past the wait for the core; the HTTP frontend
   (plugins/frontends/http/server.py) its event loop held past N ms (`watch_event_loop`).
-  Timing costs one ``time.perf_counter()`` per phase, only while the variable is set.
+  Timing costs one ``time.perf_counter()`` per phase, only while the variable is set. A slow
+  turn also says what else held it: the Python collector's time in the turn (``gc`` with the
+  generation, from ``gc.callbacks``), and in the engine core on CUDA the caching allocator's
+  events in the turn (`cuda_allocator_counters`: ``cudaMalloc`` / ``cudaFree`` calls and
+  retries after a failed malloc, which free the cache and synchronize the device); reading the
+  allocator's counters costs one ``torch.cuda.memory_stats`` per turn (tens of microseconds).
 - Always: `watch_triton_compiles` (called once start-up's warm-up is done) logs, at WARNING, each
   Triton kernel that compiles (or loads from Triton's disk cache) afterwards, with its time:
   with every stream stopped meanwhile, each one is a stall that start-up's warm-up
@@ -24,6 +29,7 @@ the next token of every running stream at once: one 100 ms stall per second puts
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -58,15 +64,39 @@ class TurnClock:
 
     enabled = True
 
-    def __init__(self, threshold_s: float) -> None:
+    def __init__(self, threshold_s: float, watch_gc: bool = True) -> None:
         self.threshold_s = threshold_s
         self.phases: dict[str, float] = {}
         self.notes: list[str] = []
         self._t0 = self._last = 0.0
+        # counters sampled at the start of each turn (e.g. `cuda_allocator_counters`): a slow
+        # turn's description names those that moved
+        self.counters: Callable[[], dict[str, int]] | None = None
+        self._at_start: dict[str, int] = {}
+        self.gc_s = 0.0  # the collector's seconds in this turn, and its oldest generation
+        self.gc_generation = -1
+        self._gc_t0 = 0.0
+        if watch_gc:
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.gc_generation = max(self.gc_generation, info.get("generation", 0))
+
+    def close(self) -> None:
+        """Stop watching the collector."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def start(self) -> None:
         self.phases.clear()
         self.notes.clear()
+        self.gc_s, self.gc_generation = 0.0, -1
+        if self.counters is not None:
+            self._at_start = self.counters()
         self._t0 = self._last = time.perf_counter()
 
     def mark(self, name: str) -> None:
@@ -87,8 +117,17 @@ class TurnClock:
 
     def describe(self) -> str:
         phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.phases.items())
-        notes = "; ".join(self.notes)
-        return f"{self.elapsed * 1e3:.1f} ms ({phases} ms)" + (f"; {notes}" if notes else "")
+        notes = list(self.notes)
+        if self.gc_generation >= 0:
+            notes.append(f"gc {self.gc_s * 1e3:.1f} ms (generation {self.gc_generation})")
+        if self.counters is not None:
+            now = self.counters()
+            moved = [f"{k} +{now[k] - v}" for k, v in self._at_start.items()
+                     if now.get(k, v) != v]
+            if moved:
+                notes.append("allocator " + ", ".join(moved))
+        text = "; ".join(notes)
+        return f"{self.elapsed * 1e3:.1f} ms ({phases} ms)" + (f"; {text}" if text else "")
 
 
 def describe_step(so: Any) -> str:
@@ -120,6 +159,26 @@ class NullClock:
 
     def note(self, text: str) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+CUDA_ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                         "num_sync_all_streams", "num_ooms")
+
+
+def cuda_allocator_counters(device: Any = None) -> Callable[[], dict[str, int]]:
+    """A function returning the CUDA caching allocator's event counts on ``device``
+    (``torch.cuda.memory_stats``): ``cudaMalloc`` and ``cudaFree`` calls
+    (``num_device_alloc`` / ``num_device_free``), mallocs retried after freeing the cache
+    (``num_alloc_retries``: each one synchronizes the device) and stream syncs."""
+    import torch
+
+    def read() -> dict[str, int]:
+        stats = torch.cuda.memory_stats(device)
+        return {k: int(stats.get(k, 0)) for k in CUDA_ALLOCATOR_EVENTS}
+    return read
 
 
 def turn_clock() -> TurnClock | NullClock:

@@ -4,6 +4,7 @@
 #                                       prefix cache on / off (pagebatch serve + bench serve)
 #   bash scripts/gpu_claims.sh offline  block size 8..128 short and 32k, fp8 KV at 32k,
 #                                       gpu_memory_utilization 0.5 vs 0.9 (bench throughput)
+#   bash scripts/gpu_claims.sh mem      only the gpu_memory_utilization pair
 # Rows go to docs/tuning.md ("The seeds' claims, measured"); JSON in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,11 @@ b() {  # tag, then bench throughput flags
         2>&1 | grep -v "no tokenizer" | grep -E "^pagebatch |KV cache" | tr '\n' ' ' | sed "s/^/$tag: /"
     echo
 }
+T1="--max-model-len 4096 --max-num-batched-tokens 16384 --num-prompts 256 --input-len 512 --output-len 128"
+if [ "$1" = mem ]; then  # only the gpu_memory_utilization pair
+    for u in 0.5 0.9; do b t1-mem$u --gpu-memory-utilization $u $T1; done
+    exit 0
+fi
 for bs in 8 16 32 64 128; do
     b short-bs$bs --block-size $bs --max-model-len 4096 --num-prompts 256 --input-len 128 --output-len 128
     b long-bs$bs --block-size $bs --max-model-len 32768 --max-num-batched-tokens 16384 \
@@ -33,5 +39,4 @@ for bs in 8 16 32 64 128; do
 done
 b long-fp8 --kv-cache-dtype fp8 --max-model-len 32768 --max-num-batched-tokens 16384 \
     --num-prompts 4 --input-len 32000 --output-len 256
-T1="--max-model-len 4096 --max-num-batched-tokens 16384 --num-prompts 256 --input-len 512 --output-len 128"
 for u in 0.5 0.9; do b t1-mem$u --gpu-memory-utilization $u $T1; done

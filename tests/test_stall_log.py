@@ -5,17 +5,20 @@ Triton kernel compiled after start-up (its hooks called as Triton calls them on 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from functools import partial
 
 import pytest
+import torch
 
 from pagebatch import SamplingParams
 from pagebatch.core_client import InprocClient
 from pagebatch.engine_core import EngineCore, EngineCoreRequest
 from pagebatch.scheduler import ScheduledRequest, SchedulerOutput
-from pagebatch.stall_log import (SLOW_STEP_ENV, NullClock, TurnClock, describe_step,
+from pagebatch.stall_log import (SLOW_STEP_ENV, NullClock, TurnClock, cuda_allocator_counters,
+                                 describe_step,
                                  slow_step_threshold_s, stop_watching_triton_compiles,
                                  turn_clock, watch_event_loop, watch_triton_compiles)
 from tiny import engine_config
@@ -40,7 +43,7 @@ def test_bad_threshold_names_the_variable_and_value(raw):
 def test_turn_clock_adds_up_phases(monkeypatch):
     ticks = iter([10.0, 10.002, 10.005, 10.0052, 10.1])
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks))
-    clock = TurnClock(0.05)
+    clock = TurnClock(0.05, watch_gc=False)  # a collection would take a tick
     clock.start()
     clock.mark("schedule")   # 2 ms
     clock.mark("wait")       # 3 ms
@@ -52,6 +55,50 @@ def test_turn_clock_adds_up_phases(monkeypatch):
     assert clock.phases == pytest.approx({"schedule": 0.0022, "wait": 0.003, "send": 0.0948})
     assert clock.describe() == ("100.0 ms (schedule 2.2, wait 3.0, send 94.8 ms); "
                                 "scheduled 3 rows")
+
+
+def test_a_slow_turn_names_the_collectors_time_in_it():
+    clock = TurnClock(0.0)
+    try:
+        clock.start()
+        clock.mark("schedule")
+        assert "gc " not in clock.describe()  # no collection in this turn
+        clock.start()
+        gc.collect()
+        clock.mark("launch")
+        text = clock.describe()
+        assert "gc " in text and "(generation 2)" in text, text
+        assert 0.0 < clock.gc_s <= clock.elapsed
+        clock.start()  # the next turn starts from nothing
+        assert clock.gc_s == 0.0 and clock.gc_generation == -1
+    finally:
+        clock.close()
+    assert clock._on_gc not in gc.callbacks
+
+
+def test_a_slow_turn_names_the_counters_that_moved():
+    counts = {"num_device_alloc": 3, "num_alloc_retries": 0, "num_device_free": 1}
+    clock = TurnClock(0.0, watch_gc=False)
+    clock.counters = lambda: dict(counts)
+    clock.start()
+    clock.mark("launch")
+    assert "allocator" not in clock.describe()
+    counts["num_device_alloc"] += 2
+    counts["num_alloc_retries"] += 1
+    text = clock.describe()
+    assert text.endswith("allocator num_device_alloc +2, num_alloc_retries +1"), text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_allocator_counters_count_a_cudamalloc():
+    read = cuda_allocator_counters()
+    torch.cuda.empty_cache()
+    before = read()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # no cached block fits
+    after = read()
+    del x
+    assert after["num_device_alloc"] == before["num_device_alloc"] + 1
+    assert after["num_alloc_retries"] == before["num_alloc_retries"]
 
 
 def test_turn_clock_from_the_environment(monkeypatch):
