@@ -32,8 +32,8 @@ except Exception as e:
     sys.exit(f"no serve JSON: {e}")
 for r in d["runs"]:
     print(f"rate {r['request_rate']}: {r['request_throughput']:.2f} req/s, "
-          f"{r['output_token_throughput']:.1f} out tok/s, TTFT p99 {r['ttft']['p99']:.1f} ms, "
-          f"ITL p99 {r['itl']['p99']:.1f} ms, goodput {r['request_goodput']:.2f} req/s "
+          f"{r['output_token_throughput']:.1f} out tok/s, TTFT p99 {r['ttft']['p99_ms']:.1f} ms, "
+          f"ITL p99 {r['itl']['p99_ms']:.1f} ms, goodput {r['request_goodput']:.2f} req/s "
           f"({r['good_requests']} of {r['completed']} good)")
 PY
 echo "== done (t=$SECONDS s)"
