@@ -40,6 +40,7 @@ from ..config import EngineConfig
 from ..model_runner import ModelRunner
 from ..model_setup import resolve_model_setup
 from ..registry import registry
+from ..stall_log import watch_triton_compiles
 from . import step_codec
 from .comm import all_reduce_min
 from .parallel_state import init_distributed, resolve_backend, torchrun_env
@@ -84,6 +85,8 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks)
         # the last stage's TP rank 0 reports each step's sampled tokens (pp > 1 only)
         self.sends_results = pp > 1 and par.is_last_stage and par.tp_rank == 0
+        if device.type == "cuda":  # warmed up: a kernel compiled from now on stalls the step
+            watch_triton_compiles(f"worker rank {self.rank}")
         self.conn.send(("ready", self.rank))
 
     def run(self) -> None:
