@@ -11,6 +11,8 @@ import collections
 import re
 
 TURN = re.compile(r"slow (engine core|output thread) turn: ([\d.]+) ms \(([^)]*) ms\)(.*)")
+GC = re.compile(r"gc ([\d.]+) ms \(generation \d\)")
+ALLOC = re.compile(r"allocator ([^;]+)")
 HELD = re.compile(r"the event loop was held ([\d.]+) ms")
 
 
@@ -34,8 +36,13 @@ def main() -> None:
         ms = sorted(r[0] for r in rows)
         print(f"{kind}: {len(rows)} slow turns, median {ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f}"
               f" ms; longest phase: {dict(by_phase.most_common())}")
+        gcs = [float(m.group(1)) for *_, rest in rows if (m := GC.search(rest))]
+        allocs = [m.group(1) for *_, rest in rows if (m := ALLOC.search(rest))]
+        print(f"  of them with a collection: {len(gcs)} ({sum(gcs):.1f} ms in all); with "
+              f"allocator events: {len(allocs)}" + (f" ({allocs[0]}, ...)" if allocs else ""))
         for t, p, rest in sorted(rows, key=lambda r: -r[0])[:args.top]:
-            print(f"  {t:7.1f} ms  {p}  {rest[:220]}")
+            extra = "; ".join(m.group(0) for r in (GC, ALLOC) if (m := r.search(rest)))
+            print(f"  {t:7.1f} ms  {p}  {rest[:220]}" + (f" [{extra}]" if extra else ""))
     if held:
         held.sort()
         print(f"event loop held: {len(held)} times, median {held[len(held) // 2]:.1f} ms, "
