@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# Session 40, call A (one GPU): the GPU suites with piecewise CUDA graphs on by default (a cold
-# Triton cache takes > 130 s: TESTS_S 300), the gpu_memory_utilization claim (0.5 vs 0.9), then
-# `pagebatch serve` at 32 req/s under PAGEBATCH_SLOW_STEP_MS=40, whose slow turns now name the
-# collector's time and the CUDA caching allocator's events in them (session 39: two launches of
-# ~50 ms, cause unknown).
-#   bash scripts/gpu-run bash scripts/gpu_s40a.sh        # carry .whl .gpu; files in $OUT
+# Session 40 (one GPU), in sections (PARTS, default "tests shapes"):
+#   tests   the GPU suites with piecewise CUDA graphs on by default (a cold Triton cache takes
+#           > 130 s: TESTS_S 300), with the fused Qwen3 q/k norm
+#   shapes  batch-1 decode on the Qwen3-4B shape, bf16 / awq / gptq (gpu_shapes.sh)
+#   mem     the gpu_memory_utilization claim (0.5 vs 0.9)
+#   stalls  `pagebatch serve` at 32 req/s under PAGEBATCH_SLOW_STEP_MS=40, whose slow turns now
+#           name the collector's time and the CUDA caching allocator's events in them
+#           (session 39: two launches of ~50 ms, cause unknown)
+#   PARTS="tests shapes" bash scripts/gpu-run bash scripts/gpu_s40a.sh   # carry .whl .gpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 nvidia-smi --query-gpu=name --format=csv,noheader
-if [ -z "${SKIP_TESTS:-}" ]; then
+PARTS=" ${PARTS:-tests shapes} "
+if [[ $PARTS == *" tests "* ]]; then
     echo "== tests (t=$SECONDS s)"
     timeout ${TESTS_S:-300} python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
         tests/test_piecewise_graphs_gpu.py tests/test_cuda_graphs_gpu.py tests/test_step_copies.py \
         tests/test_sampler_gpu.py tests/test_triton_attention.py tests/test_kv_fp8.py \
         tests/test_pp_graph_replay.py tests/test_sliding_window.py tests/test_kv_hybrid.py \
-        tests/test_stall_log.py tests/test_step_warmup.py > "$OUT/tests.log" 2>&1
+        tests/test_stall_log.py tests/test_step_warmup.py tests/test_architectures.py \
+        > "$OUT/tests.log" 2>&1
     echo "   rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | head -14 | cut -c1-300
 fi
-if [ -z "${SKIP_MEM:-}" ]; then
+if [[ $PARTS == *" shapes "* ]]; then
+    echo "== Qwen3-4B batch 1 (t=$SECONDS s)"
+    SHAPES=qwen3-4b RUN_S=110 TOTAL_S=240 bash scripts/gpu_shapes.sh 2>&1 | tail -8
+fi
+if [[ $PARTS == *" mem "* ]]; then
     echo "== gpu_memory_utilization 0.5 / 0.9, T1 (t=$SECONDS s)"
     bash scripts/gpu_claims.sh mem
 fi
+[[ $PARTS == *" stalls "* ]] || { echo "== done (t=$SECONDS s)"; exit 0; }
 echo "== serve at 32 req/s with the stall log (t=$SECONDS s)"
 SKIP_TESTS=1 PWS=512 RATES=${RATES:-32} bash scripts/gpu_s39a.sh | grep -v "^== done"
 python3 - "$OUT/serve-stalls-pw512.json" <<'PY'

@@ -96,6 +96,31 @@ def test_qwen3_has_per_head_qk_norm(case):
         assert attn.head_dim == 32 and attn.qkv_proj.bias is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_qwen3_on_cuda_fused_qk_norm_matches_the_two_norms_and_transformers(tmp_path,
+                                                                             monkeypatch):
+    """On CUDA Qwen3's q/k norms run as one in-place kernel (`qk_head_norm_`): the logits equal
+    those of the two separate norms, and transformers' within a GPU fp32 margin."""
+    from transformers import AutoModelForCausalLM
+
+    from pagebatch.plugins.models.qwen import Qwen3Attention
+
+    folder = build_tiny_model(tmp_path, seed=3, model_type="qwen3", norm_std=0.1, head_dim=32,
+                              tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=40, block_size=16,
+              max_num_seqs=4)
+    ids = _ids(200, seed=7)
+    fused = llm.engine.core.runner.forward_scratch(ids).cpu()
+    monkeypatch.setattr(Qwen3Attention, "qk_norm",
+                        lambda self, q, k: (self.q_norm(q), self.k_norm(k)))
+    separate = llm.engine.core.runner.forward_scratch(ids).cpu()
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(fused, ref, atol=2e-2, rtol=1e-3)
+
+
 # ---- sliding windows (the attention and block manager tests: tests/test_sliding_window.py) ----
 
 

@@ -282,6 +282,39 @@ def test_rms_norm(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t, hq, hkv, d", [(1, 4, 2, 16), (5, 6, 2, 24), (3, 8, 1, 64)]
+                         if not ON_GPU else [(1, 32, 8, 128), (37, 16, 8, 128), (9, 40, 8, 64)])
+def test_qk_head_norm_in_place_on_the_qkv_views(dtype, t, hq, hkv, d):
+    """Qwen3's per-head q/k norm in one kernel, in place on the strided views of a QKV output,
+    against the plain-torch norm of each head; v untouched."""
+    from pagebatch.kernels.norm import qk_head_norm_
+    from pagebatch.layers.norm import rms_norm_torch
+
+    qkv = (3 * torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE)).to(dtype)
+    before = qkv.clone()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hkv, d)
+    qw = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
+    ref_q, ref_k = rms_norm_torch(q.clone(), qw, 1e-6), rms_norm_torch(k.clone(), kw, 1e-6)
+    out_q, out_k = qk_head_norm_(q, k, qw, kw, 1e-6)
+    assert out_q.data_ptr() == qkv.data_ptr()  # in place
+    tol = FUSED_TOL[dtype]
+    torch.testing.assert_close(out_q, ref_q, **tol)
+    torch.testing.assert_close(out_k, ref_k, **tol)
+    assert torch.equal(v, before[:, (hq + hkv) * d:])
+
+
+def test_qk_head_norm_names_mismatched_shapes():
+    from pagebatch.kernels.norm import qk_head_norm_
+
+    q = torch.randn(3, 4, 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q \(3, 4, 16\) and k \(2, 2, 16\)"):
+        qk_head_norm_(q, torch.randn(2, 2, 16, device=DEVICE), w, w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(dtype):
     from pagebatch.kernels.activation import silu_and_mul
     from pagebatch.layers.activation import silu_and_mul_torch

@@ -82,3 +82,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                     HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
                                     **pdl.launch_options(x.device))
     return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _qk_head_norm_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, eps, stride_qt, stride_qh, stride_kt,
+                         stride_kh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HEAD_DIM
+    if h < NUM_Q_HEADS:
+        ptr = q_ptr + t * stride_qt + h * stride_qh
+        w_ptr = qw_ptr
+    else:
+        ptr = k_ptr + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+        w_ptr = kw_ptr
+    pdl.wait(PDL)
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    pdl.launch_dependents(PDL)
+    tl.store(ptr + offs, rms_norm_row(x, w_ptr, offs, mask, HEAD_DIM, eps, x.dtype), mask=mask)
+
+
+def qk_head_norm_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k in place, in one launch (Qwen3's ``q_norm`` / ``k_norm``,
+    before rotary): q [T, Hq, D], k [T, Hkv, D] fp16/bf16/fp32, each with unit stride in D (the
+    strided views of a fused QKV projection's output are fine: no copy); weights [D] in their
+    dtype. Each head vector becomes ``norm(x) * weight`` as in `rms_norm` (fp32 inside,
+    Hugging Face's order). Returns (q, k)."""
+    t, hq, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"qk_head_norm_: q {tuple(q.shape)} and k {tuple(k.shape)} need the "
+                         f"same tokens and head size, and unit stride in the head dimension "
+                         f"(strides {q.stride()}, {k.stride()})")
+    if t:
+        _qk_head_norm_kernel[(t, hq + k.shape[1])](
+            q, k, q_weight, k_weight, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK=triton.next_power_of_2(d), num_warps=1,
+            **pdl.launch_options(q.device))
+    return q, k

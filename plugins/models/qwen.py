@@ -63,7 +63,13 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, head_dim], k: [T, Hkv, head_dim] -> each head RMS-normalized."""
+        """q: [T, Hq, head_dim], k: [T, Hkv, head_dim] -> each head RMS-normalized. On CUDA in
+        place, both in one kernel (core/kernels/norm.py `qk_head_norm_`): q and k are views of
+        the QKV projection's output, which nothing else reads."""
+        if q.is_cuda:
+            from ..kernels.norm import qk_head_norm_
+
+            return qk_head_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return self.q_norm(q), self.k_norm(k)
 
 
