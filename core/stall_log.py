@@ -17,7 +17,7 @@ the next token of every running stream at once: one 100 ms stall per second puts
   generation, from ``gc.callbacks``), and in the engine core on CUDA the caching allocator's
   events in the turn (`cuda_allocator_counters`: ``cudaMalloc`` / ``cudaFree`` calls and
   retries after a failed malloc, which free the cache and synchronize the device); reading the
-  allocator's counters costs one ``torch.cuda.memory_stats`` per turn (tens of microseconds).
+  allocator's counters costs one ``torch.cuda.memory_stats`` call per turn (not measured).
 - Always: `watch_triton_compiles` (called once start-up's warm-up is done) logs, at WARNING, each
   Triton kernel that compiles (or loads from Triton's disk cache) afterwards, with its time:
   with every stream stopped meanwhile, each one is a stall that start-up's warm-up

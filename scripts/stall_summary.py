@@ -37,12 +37,16 @@ def main() -> None:
         print(f"{kind}: {len(rows)} slow turns, median {ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f}"
               f" ms; longest phase: {dict(by_phase.most_common())}")
         gcs = [float(m.group(1)) for *_, rest in rows if (m := GC.search(rest))]
-        allocs = [m.group(1) for *_, rest in rows if (m := ALLOC.search(rest))]
+        allocs = sum(1 for *_, rest in rows if ALLOC.search(rest))
         print(f"  of them with a collection: {len(gcs)} ({sum(gcs):.1f} ms in all); with "
-              f"allocator events: {len(allocs)}" + (f" ({allocs[0]}, ...)" if allocs else ""))
+              f"allocator events: {allocs}")
         for t, p, rest in sorted(rows, key=lambda r: -r[0])[:args.top]:
-            extra = "; ".join(m.group(0) for r in (GC, ALLOC) if (m := r.search(rest)))
-            print(f"  {t:7.1f} ms  {p}  {rest[:220]}" + (f" [{extra}]" if extra else ""))
+            # the gc / allocator notes come last and would be cut off: shown whole after the rest
+            notes = rest.split("; ")
+            extra = [n for n in notes if GC.match(n) or ALLOC.match(n)]
+            steps = "; ".join(n for n in notes if n not in extra)
+            tail = f" [{'; '.join(extra)}]" if extra else ""
+            print(f"  {t:7.1f} ms  {p}  {steps[:220]}{tail}")
     if held:
         held.sort()
         print(f"event loop held: {len(held)} times, median {held[len(held) // 2]:.1f} ms, "
