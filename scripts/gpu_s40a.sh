@@ -7,6 +7,9 @@
 #   stalls  `pagebatch serve` at 32 req/s under PAGEBATCH_SLOW_STEP_MS=40, whose slow turns now
 #           name the collector's time and the CUDA caching allocator's events in them
 #           (session 39: two launches of ~50 ms, cause unknown)
+#   mixed   scripts/mixed_step.py on the 8B shape, 48 decodes + one 700 / 1400-token prompt a
+#           step (past the 512-token piecewise graphs: eager), with --sync-debug: every Python
+#           line that made the host wait for the device in those steps
 #   PARTS="tests shapes" bash scripts/gpu-run bash scripts/gpu_s40a.sh   # carry .whl .gpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +33,13 @@ fi
 if [[ $PARTS == *" mem "* ]]; then
     echo "== gpu_memory_utilization 0.5 / 0.9, T1 (t=$SECONDS s)"
     bash scripts/gpu_claims.sh mem
+fi
+if [[ $PARTS == *" mixed "* ]]; then
+    echo "== eager mixed steps, host-device syncs (t=$SECONDS s)"
+    timeout ${MIXED_S:-150} python3 scripts/mixed_step.py examples/configs/llama-3.1-8b \
+        --decodes 48 --prefill-lens 700,1400 --steps 10 --sync-debug \
+        --json "$OUT/mixed-sync.json" > "$OUT/mixed-sync.log" 2>&1
+    echo "   rc=$?"; grep -E "^\||syncs/step" "$OUT/mixed-sync.log" | cut -c1-400
 fi
 [[ $PARTS == *" stalls "* ]] || { echo "== done (t=$SECONDS s)"; exit 0; }
 echo "== serve at 32 req/s with the stall log (t=$SECONDS s)"

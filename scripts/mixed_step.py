@@ -12,6 +12,9 @@ one L-token prefill (the scheduler's chunk, as in a served run at a request rate
 ``--steps`` steps timed without the profiler (wall ms / step), then the same under
 torch.profiler (the sum of GPU kernel times / step). ``busy`` = kernel time / wall: well under
 100 % means the host (launches, input preparation) sets the step's time, not the GPU.
+``--sync-debug`` (CUDA): one more pass of each phase under ``torch.cuda.set_sync_debug_mode
+("warn")``, printing every Python line that made the host wait for the device (an ``.item()``,
+a copy to pageable memory, ...), with its count per step: a launch that blocks on the GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import argparse
 import json
 import random
 import time
+import warnings
+from collections import Counter
 
 import torch
 from profile_engine import engine_keys
@@ -44,6 +49,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--extra", default="", help="engine keys k=v,k=v")
     ap.add_argument("--json")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="list the host-device synchronizations of each phase (CUDA)")
     a = ap.parse_args()
     from pagebatch.config import EngineConfig
     from pagebatch.engine import LLMEngine
@@ -80,8 +87,26 @@ def main() -> None:
             steps(a.steps, prefill)
         kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / a.steps
         top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:6]
-        return dict(wall_ms=wall, kernel_ms=kernel, busy=kernel / wall,
-                    top=[(e.key[:70], e.self_device_time_total / 1e3 / a.steps) for e in top])
+        row = dict(wall_ms=wall, kernel_ms=kernel, busy=kernel / wall,
+                   top=[(e.key[:70], e.self_device_time_total / 1e3 / a.steps) for e in top])
+        if a.sync_debug and torch.cuda.is_available():
+            row["syncs"] = synced(prefill)
+        return row
+
+    def synced(prefill: int | None) -> list:
+        """(where, count per step) of every synchronizing CUDA call in ``a.steps`` steps."""
+        where: Counter = Counter()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                steps(a.steps, prefill)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in seen:
+            if "synchroniz" in str(w.message):
+                where[f"{w.filename}:{w.lineno}"] += 1
+        return [(k, n / a.steps) for k, n in where.most_common(8)]
 
     for _ in range(a.decodes):
         engine.add_request(ids(16), long)
@@ -98,6 +123,10 @@ def main() -> None:
         print(f"| {k} | {r['wall_ms']:.2f} | {r['kernel_ms']:.2f} | {r['busy']:.0%} |")
     for k, r in rows.items():
         print(f"{k}: " + "; ".join(f"{t:.3f} {name}" for name, t in r["top"]))
+    for k, r in rows.items():
+        if "syncs" in r:
+            print(f"{k} syncs/step: " + ("; ".join(f"{n:.2f} {w}" for w, n in r["syncs"])
+                                         or "none"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
