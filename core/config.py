@@ -212,6 +212,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt("enable_chunked_prefill", True,
                                         "Split prompts longer than the step's token budget over "
                                         "several steps, mixed with decodes.", parse_bool)
+    long_prefill_token_threshold: int = _opt(
+        "long_prefill_token_threshold", 0,
+        "Most prompt tokens one request computes in a step (vLLM's option of that name): "
+        "shorter mixed steps, so lower ITL beside new prompts, for later first tokens; 0: no "
+        "cap but the step's token budget. Needs enable_chunked_prefill.", parse_int(0))
     # model execution
     quantization: str | None = _opt("quantization", None,
                                     "Quant method plugin; default: the checkpoint's, else fp16.",
@@ -342,6 +347,10 @@ class EngineConfig:
             raise ConfigError(f"pipeline_micro_batches={mb} needs pipeline_parallel_size > 1 "
                               f"and at least one micro-batch per stage "
                               f"(pipeline_parallel_size={pp})")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError(f"long_prefill_token_threshold="
+                              f"{self.long_prefill_token_threshold} cuts prompts into chunks: "
+                              f"it needs enable_chunked_prefill=true")
         if self.max_num_batched_tokens is not None and self.max_model_len is not None:
             check_token_budget(self.max_num_batched_tokens, self.max_model_len,
                                self.enable_chunked_prefill)

@@ -176,6 +176,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, policy, config.max_num_seqs,
                                    setup.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
+                                   long_prefill_token_threshold=(
+                                       config.long_prefill_token_threshold),
                                    async_decode=self.executor.async_decode,
                                    num_micro_batches=self.executor.num_micro_batches)
         self._times = EngineCoreStats()  # only its per-request time lists are used

@@ -4,6 +4,9 @@ Every step the scheduler hands out a token budget (``max_num_batched_tokens``): 
 requests (a decode is one token), then to waiting ones in the order the policy plugin chooses
 (a prompt is all of its uncomputed tokens). Requests join and leave the batch every step; there
 is no prefill or decode phase, only ``num_computed_tokens`` catching up with ``num_tokens``.
+With ``long_prefill_token_threshold`` = L > 0 (vLLM's option of that name) no request computes
+more than L tokens in one step, so a burst of new prompts is spread over several shorter steps
+and the decodes beside them wait less (ITL) at the cost of the prompts' TTFT.
 
 When a running request needs a block and none is free, the policy picks a victim, whose blocks
 are freed; it goes back to waiting and later recomputes its KV (preemption by recompute).
@@ -143,9 +146,16 @@ class Scheduler:
         enable_chunked_prefill: bool = False,
         async_decode: bool = False,
         num_micro_batches: int = 1,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
+                             f"{long_prefill_token_threshold}")
+        if long_prefill_token_threshold and not enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold} "
+                             f"cuts prompts into chunks: it needs enable_chunked_prefill")
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -153,6 +163,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_decode = async_decode
         self.num_micro_batches = num_micro_batches
+        # most tokens one request computes in a step (0: no cap but the budget)
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
@@ -293,7 +305,7 @@ class Scheduler:
         for req, want in decodes + chunks:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(want, budget)
+            n = min(want, budget, self.max_chunk)
             if n == 0 or len(scheduled) >= cap:
                 break
             while (new_blocks := self._allocate(req, req.num_computed_tokens + n)) is None:
@@ -320,7 +332,7 @@ class Scheduler:
 
     def max_blocks_held(self, req: Request) -> int:
         """The most blocks ``req`` will hold at once (all of its tokens' without a window)."""
-        step = self.max_num_batched_tokens if self.enable_chunked_prefill else req.num_tokens
+        step = self.max_chunk if self.enable_chunked_prefill else req.num_tokens
         return self.kv_cache.max_blocks_held(req.num_tokens, step)
 
     def _schedule_waiting(self, budget: int, cap: int,
@@ -340,7 +352,7 @@ class Scheduler:
             num_cached = len(hits) * kv.block_size
             n = req.num_tokens - num_cached
             if self.enable_chunked_prefill:
-                n = min(n, budget)
+                n = min(n, budget, self.max_chunk)
             elif n > budget:
                 break
             if self._allocate(req, num_cached + n, hits, num_cached) is None:

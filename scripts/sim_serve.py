@@ -3,7 +3,8 @@ would be if every step took what a step-time model says, to tell scheduling from
 
 Poisson arrivals at RATE req/s of NUM requests, input 512 and output 128 tokens +-50 % (uniform,
 seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size 16, 256 seqs,
-``--max-num-batched-tokens``), and a step time of
+chunked prefill, ``--max-num-batched-tokens``, ``--long-prefill-token-threshold``), and a step
+time of
 
     max(weights_s, tokens * flop_per_token / flops) + host_s + context_tokens * kv_bytes / hbm
 
@@ -42,7 +43,8 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
         arrivals.append((t, int(512 * rng.uniform(0.5, 1.5)), int(128 * rng.uniform(0.5, 1.5))))
     now = 0.0
     sched = Scheduler(KVCacheManager(50_000, 16), FCFSPolicy(None), 256, mnbt,
-                      clock=lambda: now)
+                      clock=lambda: now, enable_chunked_prefill=True,
+                      long_prefill_token_threshold=a.long_prefill_token_threshold)
     arrived, first, last, count, prev, gap = {}, {}, {}, {}, {}, {}
     i = steps = mixed = 0
     long_steps = []  # tokens of each step longer than the ITL SLO
@@ -108,6 +110,8 @@ def main() -> None:
     p.add_argument("--eager-host-s", type=float, default=21e-3,
                    help="host time of an eager step (session 37, 8B shape: ~21 ms)")
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most tokens of one request in a step (the engine's option); 0: no cap")
     a = p.parse_args()
     for rate in a.rates:
         print(simulate(rate, a.num, a.max_num_batched_tokens, a))

@@ -488,3 +488,27 @@ def test_pipeline_micro_batches_split_the_running_requests_evenly():
     assert run(1)[0] == [7] * 5
     with pytest.raises(ValueError, match="num_micro_batches"):
         Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, num_micro_batches=0)
+
+
+def test_long_prefill_token_threshold_caps_each_requests_tokens_per_step():
+    """long_prefill_token_threshold = 4: no request computes more than 4 tokens in a step (its
+    prompt spread over steps, several prompts in one step within the budget), decodes are not
+    delayed by it, and every request's outputs equal the unbatched reference."""
+    sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 64, clock=lambda: 0.0,
+                      enable_chunked_prefill=True, long_prefill_token_threshold=4)
+    reqs = [make_request(f"r{i}", n, max_tokens=3, ignore_eos=True)
+            for i, n in enumerate((10, 3, 9))]
+    for r in reqs:
+        sched.add_request(r)
+    outs = run_until_done(sched, FakeRunner(4))
+    assert max(len(sr.token_ids) for so in outs for sr in so.scheduled) == 4
+    first = outs[0].scheduled
+    assert [len(sr.token_ids) for sr in first] == [4, 3, 4]  # one step holds all three
+    for r in reqs:
+        assert r.is_finished
+        assert (r.output_token_ids, r.finish_reason) == reference_outputs(r, default_next_token)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, long_prefill_token_threshold=8)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, enable_chunked_prefill=True,
+                  long_prefill_token_threshold=-1)

@@ -67,7 +67,7 @@ class Qwen3Attention(LlamaAttention):
         place, both in one kernel (core/kernels/norm.py `qk_head_norm_`): q and k are views of
         the QKV projection's output, which nothing else reads."""
         if q.is_cuda:
-            from ..kernels.norm import qk_head_norm_
+            from pagebatch.kernels.norm import qk_head_norm_
 
             return qk_head_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return self.q_norm(q), self.k_norm(k)
