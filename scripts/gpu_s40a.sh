@@ -8,8 +8,8 @@
 #           name the collector's time and the CUDA caching allocator's events in them
 #           (session 39: two launches of ~50 ms, cause unknown)
 #   mixed   scripts/mixed_step.py on the 8B shape, 48 decodes + one 700 / 1400-token prompt a
-#           step (past the 512-token piecewise graphs: eager), with --sync-debug: every Python
-#           line that made the host wait for the device in those steps
+#           step (past the 512-token piecewise graphs: eager), with --sync-debug: the synchronizing
+#           calls torch's sync debug mode flags in those steps, by file and line
 #   PARTS="tests shapes" bash scripts/gpu-run bash scripts/gpu_s40a.sh   # carry .whl .gpu
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -13,8 +13,10 @@ one L-token prefill (the scheduler's chunk, as in a served run at a request rate
 torch.profiler (the sum of GPU kernel times / step). ``busy`` = kernel time / wall: well under
 100 % means the host (launches, input preparation) sets the step's time, not the GPU.
 ``--sync-debug`` (CUDA): one more pass of each phase under ``torch.cuda.set_sync_debug_mode
-("warn")``, printing every Python line that made the host wait for the device (an ``.item()``,
-a copy to pageable memory, ...), with its count per step: a launch that blocks on the GPU.
+("warn")``, counting per step the synchronizing calls that mode flags (an ``.item()``, a copy to
+pageable memory, ...) by the file and line the warning names: the innermost Python frame, which
+may be inside torch rather than its caller. Waits the mode does not flag (an allocator's
+``cudaMalloc``, an event wait) are not counted.
 """
 
 from __future__ import annotations

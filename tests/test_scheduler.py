@@ -492,8 +492,9 @@ def test_pipeline_micro_batches_split_the_running_requests_evenly():
 
 def test_long_prefill_token_threshold_caps_each_requests_tokens_per_step():
     """long_prefill_token_threshold = 4: no request computes more than 4 tokens in a step (its
-    prompt spread over steps, several prompts in one step within the budget), decodes are not
-    delayed by it, and every request's outputs equal the unbatched reference."""
+    prompt spread over steps, several prompts in one step within the budget), and every
+    request's outputs equal the unbatched reference. A negative value, or one without chunked
+    prefill, is refused."""
     sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 64, clock=lambda: 0.0,
                       enable_chunked_prefill=True, long_prefill_token_threshold=4)
     reqs = [make_request(f"r{i}", n, max_tokens=3, ignore_eos=True)
