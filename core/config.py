@@ -217,6 +217,12 @@ class EngineConfig:
         "Most prompt tokens one request computes in a step (vLLM's option of that name): "
         "shorter mixed steps, so lower ITL beside new prompts, for later first tokens; 0: no "
         "cap but the step's token budget. Needs enable_chunked_prefill.", parse_int(0))
+    max_mixed_prefill_tokens: int = _opt(
+        "max_mixed_prefill_tokens", 0,
+        "Most prompt tokens, all requests together, in a step that also carries decodes: "
+        "bounds how long new prompts stall the running streams (ITL), while a step of prompts "
+        "alone keeps the whole budget; 0: no cap but the step's token budget. Needs "
+        "enable_chunked_prefill.", parse_int(0))
     # model execution
     quantization: str | None = _opt("quantization", None,
                                     "Quant method plugin; default: the checkpoint's, else fp16.",
@@ -351,6 +357,9 @@ class EngineConfig:
             raise ConfigError(f"long_prefill_token_threshold="
                               f"{self.long_prefill_token_threshold} cuts prompts into chunks: "
                               f"it needs enable_chunked_prefill=true")
+        if self.max_mixed_prefill_tokens and not self.enable_chunked_prefill:
+            raise ConfigError(f"max_mixed_prefill_tokens={self.max_mixed_prefill_tokens} cuts "
+                              f"prompts into chunks: it needs enable_chunked_prefill=true")
         if self.max_num_batched_tokens is not None and self.max_model_len is not None:
             check_token_budget(self.max_num_batched_tokens, self.max_model_len,
                                self.enable_chunked_prefill)

@@ -178,6 +178,7 @@ class EngineCore:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    long_prefill_token_threshold=(
                                        config.long_prefill_token_threshold),
+                                   max_mixed_prefill_tokens=config.max_mixed_prefill_tokens,
                                    async_decode=self.executor.async_decode,
                                    num_micro_batches=self.executor.num_micro_batches)
         self._times = EngineCoreStats()  # only its per-request time lists are used

@@ -6,7 +6,10 @@ requests (a decode is one token), then to waiting ones in the order the policy p
 is no prefill or decode phase, only ``num_computed_tokens`` catching up with ``num_tokens``.
 With ``long_prefill_token_threshold`` = L > 0 (vLLM's option of that name) no request computes
 more than L tokens in one step, so a burst of new prompts is spread over several shorter steps
-and the decodes beside them wait less (ITL) at the cost of the prompts' TTFT.
+and the decodes beside them wait less (ITL) at the cost of the prompts' TTFT. With
+``max_mixed_prefill_tokens`` = P > 0 a step that carries decodes computes at most P prompt tokens
+in all (steps of prompts alone keep the whole budget): a step beside running streams is never
+longer than P prompt tokens make it, while a lone prompt of up to P tokens still goes in one step.
 
 When a running request needs a block and none is free, the policy picks a victim, whose blocks
 are freed; it goes back to waiting and later recomputes its KV (preemption by recompute).
@@ -147,6 +150,7 @@ class Scheduler:
         async_decode: bool = False,
         num_micro_batches: int = 1,
         long_prefill_token_threshold: int = 0,
+        max_mixed_prefill_tokens: int = 0,
     ) -> None:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
@@ -156,6 +160,12 @@ class Scheduler:
         if long_prefill_token_threshold and not enable_chunked_prefill:
             raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold} "
                              f"cuts prompts into chunks: it needs enable_chunked_prefill")
+        if max_mixed_prefill_tokens < 0:
+            raise ValueError(f"max_mixed_prefill_tokens must be >= 0, got "
+                             f"{max_mixed_prefill_tokens}")
+        if max_mixed_prefill_tokens and not enable_chunked_prefill:
+            raise ValueError(f"max_mixed_prefill_tokens={max_mixed_prefill_tokens} cuts prompts "
+                             f"into chunks: it needs enable_chunked_prefill")
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -165,6 +175,8 @@ class Scheduler:
         self.num_micro_batches = num_micro_batches
         # most tokens one request computes in a step (0: no cap but the budget)
         self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
+        # most prompt tokens of a step that also carries decodes (0: no cap but the budget)
+        self.max_mixed_prefill = max_mixed_prefill_tokens
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by arrival_seq
@@ -302,7 +314,17 @@ class Scheduler:
         todo = [(r, self._to_compute(r)) for r in self.running]
         decodes = [(r, n) for r, n in todo if n == 1]
         chunks = [(r, n) for r, n in todo if n > 1]
-        for req, want in decodes + chunks:
+        budget = self._schedule_rows(decodes, budget, cap, scheduled, scheduled_ids, preempted)
+        if scheduled and self.max_mixed_prefill:  # decodes run: cap this step's prompt tokens
+            budget = min(budget, self.max_mixed_prefill)
+        return self._schedule_rows(chunks, budget, cap, scheduled, scheduled_ids, preempted)
+
+    def _schedule_rows(self, todo: list[tuple[Request, int]], budget: int, cap: int,
+                       scheduled: list[ScheduledRequest], scheduled_ids: set[str],
+                       preempted: list[str]) -> int:
+        """Schedule running requests (request, tokens wanted) in order until the budget or the
+        step's sequence cap runs out, preempting for blocks; returns the budget left."""
+        for req, want in todo:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(want, budget, self.max_chunk)

@@ -18,13 +18,14 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 PARTS=" ${PARTS:-tests shapes} "
 if [[ $PARTS == *" tests "* ]]; then
     echo "== tests (t=$SECONDS s)"
-    timeout ${TESTS_S:-300} python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+    timeout ${TESTS_S:-300} python3 -m pytest -v -n 8 -rfE -p no:cacheprovider \
         tests/test_piecewise_graphs_gpu.py tests/test_cuda_graphs_gpu.py tests/test_step_copies.py \
         tests/test_sampler_gpu.py tests/test_triton_attention.py tests/test_kv_fp8.py \
         tests/test_pp_graph_replay.py tests/test_sliding_window.py tests/test_kv_hybrid.py \
         tests/test_stall_log.py tests/test_step_warmup.py tests/test_architectures.py \
         > "$OUT/tests.log" 2>&1
-    echo "   rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | head -14 | cut -c1-300
+    echo "   rc=$?  PASSED lines: $(grep -c ' PASSED' "$OUT/tests.log")"
+    grep -E " passed| failed| FAILED |^FAILED|^ERROR|^E  " "$OUT/tests.log" | tail -14 | cut -c1-300
 fi
 if [[ $PARTS == *" shapes "* ]]; then
     echo "== Qwen3-4B batch 1 (t=$SECONDS s)"

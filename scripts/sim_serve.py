@@ -3,7 +3,8 @@ would be if every step took what a step-time model says, to tell scheduling from
 
 Poisson arrivals at RATE req/s of NUM requests, input 512 and output 128 tokens +-50 % (uniform,
 seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size 16, 256 seqs,
-chunked prefill, ``--max-num-batched-tokens``, ``--long-prefill-token-threshold``), and a step
+chunked prefill, ``--max-num-batched-tokens``, ``--long-prefill-token-threshold``,
+``--max-mixed-prefill-tokens``), and a step
 time of
 
     max(weights_s, tokens * flop_per_token / flops) + host_s + context_tokens * kv_bytes / hbm
@@ -44,7 +45,8 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
     now = 0.0
     sched = Scheduler(KVCacheManager(50_000, 16), FCFSPolicy(None), 256, mnbt,
                       clock=lambda: now, enable_chunked_prefill=True,
-                      long_prefill_token_threshold=a.long_prefill_token_threshold)
+                      long_prefill_token_threshold=a.long_prefill_token_threshold,
+                      max_mixed_prefill_tokens=a.max_mixed_prefill_tokens)
     arrived, first, last, count, prev, gap = {}, {}, {}, {}, {}, {}
     i = steps = mixed = 0
     long_steps = []  # tokens of each step longer than the ITL SLO
@@ -87,7 +89,9 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
     def q(v, p):
         return v[min(len(v) - 1, int(p * len(v)))] * 1e3
 
-    return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), TTFT p50 / p99 "
+    out_tps = sum(count.values()) / max(last.values())
+    return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), {out_tps:,.0f} out tok/s, "
+            f"TTFT p50 / p99 "
             f"{q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, TPOT p50 / p99 {q(tpot, .5):.1f} / "
             f"{q(tpot, .99):.1f} ms, {slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms"
             + (f" ({len(long_steps)} steps over it, {min(long_steps)}-{max(long_steps)} tokens)"
@@ -112,6 +116,8 @@ def main() -> None:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most tokens of one request in a step (the engine's option); 0: no cap")
+    p.add_argument("--max-mixed-prefill-tokens", type=int, default=0,
+                   help="most prompt tokens of a step with decodes (the engine's option); 0: no cap")
     a = p.parse_args()
     for rate in a.rates:
         print(simulate(rate, a.num, a.max_num_batched_tokens, a))

@@ -513,3 +513,35 @@ def test_long_prefill_token_threshold_caps_each_requests_tokens_per_step():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, enable_chunked_prefill=True,
                   long_prefill_token_threshold=-1)
+
+
+def test_max_mixed_prefill_tokens_caps_prompt_tokens_only_beside_decodes():
+    """max_mixed_prefill_tokens = 6: a step of prompts alone takes the whole budget; once a
+    request decodes, every step that carries a decode holds at most 6 prompt tokens in all
+    (across requests), and outputs equal the unbatched reference. A negative value, or one
+    without chunked prefill, is refused."""
+    sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 64, clock=lambda: 0.0,
+                      enable_chunked_prefill=True, max_mixed_prefill_tokens=6)
+    runner = FakeRunner(4)
+    reqs = [make_request("r0", 9, max_tokens=8, ignore_eos=True)]
+    sched.add_request(reqs[0])
+    step(sched, runner)
+    reqs += [make_request(f"r{i}", n, max_tokens=3, ignore_eos=True)
+             for i, n in ((1, 10), (2, 9))]
+    for r in reqs[1:]:
+        sched.add_request(r)
+    run_until_done(sched, runner)
+    steps = [[(sr.request_id, len(sr.token_ids)) for sr in so.scheduled] for so in runner.steps]
+    assert steps[0] == [("r0", 9)]  # no decodes: no cap
+    assert steps[1] == [("r0", 1), ("r1", 6)]
+    assert steps[2] == [("r0", 1), ("r1", 4), ("r2", 2)]
+    for rows in steps[1:]:
+        assert sum(n for _, n in rows if n > 1) <= 6, rows
+    for r in reqs:
+        assert r.is_finished
+        assert (r.output_token_ids, r.finish_reason) == reference_outputs(r, default_next_token)
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, max_mixed_prefill_tokens=8)
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, enable_chunked_prefill=True,
+                  max_mixed_prefill_tokens=-1)
