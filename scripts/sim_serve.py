@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most tokens of one request in a step (the engine's option); 0: no cap")
     p.add_argument("--max-mixed-prefill-tokens", type=int, default=0,
-                   help="most prompt tokens of a step with decodes (the engine's option); 0: no cap")
+                   help="most prompt tokens of a step with decodes (engine option); 0: no cap")
     a = p.parse_args()
     for rate in a.rates:
         print(simulate(rate, a.num, a.max_num_batched_tokens, a))
