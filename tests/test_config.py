@@ -330,3 +330,13 @@ def test_cli_options_are_not_abbreviated_and_sampling_flags_are_checked_first(mo
     monkeypatch.setattr(cli, "_config_from_args", lambda args: None)
     assert cli.main(["generate", "m", "--prompt", "x", "--max-tokens", "-5"]) == 2
     assert "max_tokens=-5 is invalid: must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["long_prefill_token_threshold", "max_mixed_prefill_tokens"])
+def test_prefill_caps_need_chunked_prefill(key):
+    """Both caps cut prompts into chunks: without chunked prefill the config names the key."""
+    assert getattr(from_dict({key: 512}), key) == 512
+    with pytest.raises(ConfigError, match=f"{key}=512 .*enable_chunked_prefill=true"):
+        from_dict({key: 512, "enable_chunked_prefill": False})
+    with pytest.raises(ConfigError, match=key):
+        from_dict({key: -1})

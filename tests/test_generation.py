@@ -564,3 +564,23 @@ def test_chat_defaults_max_tokens_to_the_rest_of_the_context(tiny_llm):
     assert c.finish_reason == "stop" or (
         len(out.prompt_token_ids) + len(c.token_ids) == tiny_llm.engine.max_model_len), (
         len(c.token_ids), c.finish_reason)
+
+
+def test_prefill_caps_keep_greedy_outputs(tiny_model_dir):
+    """long_prefill_token_threshold and max_mixed_prefill_tokens reach the scheduler and only
+    move prompt tokens between steps: greedy outputs equal those of an engine without caps."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=11)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**caps):
+        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=128,
+                  block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=64,
+                  max_model_len=64, **caps)
+        sched = llm.engine.core.scheduler
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return outs, sched
+
+    want, _ = run()
+    got, sched = run(max_mixed_prefill_tokens=6, long_prefill_token_threshold=5)
+    assert (sched.max_mixed_prefill, sched.max_chunk) == (6, 5)
+    assert got == want
