@@ -353,13 +353,10 @@ class EngineConfig:
             raise ConfigError(f"pipeline_micro_batches={mb} needs pipeline_parallel_size > 1 "
                               f"and at least one micro-batch per stage "
                               f"(pipeline_parallel_size={pp})")
-        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
-            raise ConfigError(f"long_prefill_token_threshold="
-                              f"{self.long_prefill_token_threshold} cuts prompts into chunks: "
-                              f"it needs enable_chunked_prefill=true")
-        if self.max_mixed_prefill_tokens and not self.enable_chunked_prefill:
-            raise ConfigError(f"max_mixed_prefill_tokens={self.max_mixed_prefill_tokens} cuts "
-                              f"prompts into chunks: it needs enable_chunked_prefill=true")
+        for key in ("long_prefill_token_threshold", "max_mixed_prefill_tokens"):
+            if (value := getattr(self, key)) and not self.enable_chunked_prefill:
+                raise ConfigError(f"{key}={value} cuts prompts into chunks: it needs "
+                                  f"enable_chunked_prefill=true")
         if self.max_num_batched_tokens is not None and self.max_model_len is not None:
             check_token_budget(self.max_num_batched_tokens, self.max_model_len,
                                self.enable_chunked_prefill)

@@ -154,18 +154,13 @@ class Scheduler:
     ) -> None:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
-                             f"{long_prefill_token_threshold}")
-        if long_prefill_token_threshold and not enable_chunked_prefill:
-            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold} "
-                             f"cuts prompts into chunks: it needs enable_chunked_prefill")
-        if max_mixed_prefill_tokens < 0:
-            raise ValueError(f"max_mixed_prefill_tokens must be >= 0, got "
-                             f"{max_mixed_prefill_tokens}")
-        if max_mixed_prefill_tokens and not enable_chunked_prefill:
-            raise ValueError(f"max_mixed_prefill_tokens={max_mixed_prefill_tokens} cuts prompts "
-                             f"into chunks: it needs enable_chunked_prefill")
+        for name, value in (("long_prefill_token_threshold", long_prefill_token_threshold),
+                            ("max_mixed_prefill_tokens", max_mixed_prefill_tokens)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+            if value and not enable_chunked_prefill:
+                raise ValueError(f"{name}={value} cuts prompts into chunks: it needs "
+                                 f"enable_chunked_prefill")
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs

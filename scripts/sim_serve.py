@@ -4,8 +4,7 @@ would be if every step took what a step-time model says, to tell scheduling from
 Poisson arrivals at RATE req/s of NUM requests, input 512 and output 128 tokens +-50 % (uniform,
 seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size 16, 256 seqs,
 chunked prefill, ``--max-num-batched-tokens``, ``--long-prefill-token-threshold``,
-``--max-mixed-prefill-tokens``), and a step
-time of
+``--max-mixed-prefill-tokens``), and a step time of
 
     max(weights_s, tokens * flop_per_token / flops) + host_s + context_tokens * kv_bytes / hbm
 
@@ -91,9 +90,9 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
 
     out_tps = sum(count.values()) / max(last.values())
     return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), {out_tps:,.0f} out tok/s, "
-            f"TTFT p50 / p99 "
-            f"{q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, TPOT p50 / p99 {q(tpot, .5):.1f} / "
-            f"{q(tpot, .99):.1f} ms, {slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms"
+            f"TTFT p50 / p99 {q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, "
+            f"TPOT p50 / p99 {q(tpot, .5):.1f} / {q(tpot, .99):.1f} ms, "
+            f"{slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms"
             + (f" ({len(long_steps)} steps over it, {min(long_steps)}-{max(long_steps)} tokens)"
                if long_steps else ""))
 

@@ -493,8 +493,7 @@ def test_pipeline_micro_batches_split_the_running_requests_evenly():
 def test_long_prefill_token_threshold_caps_each_requests_tokens_per_step():
     """long_prefill_token_threshold = 4: no request computes more than 4 tokens in a step (its
     prompt spread over steps, several prompts in one step within the budget), and every
-    request's outputs equal the unbatched reference. A negative value, or one without chunked
-    prefill, is refused."""
+    request's outputs equal the unbatched reference."""
     sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 64, clock=lambda: 0.0,
                       enable_chunked_prefill=True, long_prefill_token_threshold=4)
     reqs = [make_request(f"r{i}", n, max_tokens=3, ignore_eos=True)
@@ -508,18 +507,12 @@ def test_long_prefill_token_threshold_caps_each_requests_tokens_per_step():
     for r in reqs:
         assert r.is_finished
         assert (r.output_token_ids, r.finish_reason) == reference_outputs(r, default_next_token)
-    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, long_prefill_token_threshold=8)
-    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, enable_chunked_prefill=True,
-                  long_prefill_token_threshold=-1)
 
 
 def test_max_mixed_prefill_tokens_caps_prompt_tokens_only_beside_decodes():
     """max_mixed_prefill_tokens = 6: a step of prompts alone takes the whole budget; once a
     request decodes, every step that carries a decode holds at most 6 prompt tokens in all
-    (across requests), and outputs equal the unbatched reference. A negative value, or one
-    without chunked prefill, is refused."""
+    (across requests), and outputs equal the unbatched reference."""
     sched = Scheduler(KVCacheManager(64, 4), FCFSPolicy(None), 16, 64, clock=lambda: 0.0,
                       enable_chunked_prefill=True, max_mixed_prefill_tokens=6)
     runner = FakeRunner(4)
@@ -540,8 +533,12 @@ def test_max_mixed_prefill_tokens_caps_prompt_tokens_only_beside_decodes():
     for r in reqs:
         assert r.is_finished
         assert (r.output_token_ids, r.finish_reason) == reference_outputs(r, default_next_token)
-    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
-        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, max_mixed_prefill_tokens=8)
-    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+
+
+@pytest.mark.parametrize("key", ["long_prefill_token_threshold", "max_mixed_prefill_tokens"])
+def test_prefill_caps_refuse_negative_values_and_unchunked_prefill(key):
+    with pytest.raises(ValueError, match=key):
+        Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, **{key: 8})
+    with pytest.raises(ValueError, match=key):
         Scheduler(KVCacheManager(4, 4), FCFSPolicy(None), 4, 64, enable_chunked_prefill=True,
-                  max_mixed_prefill_tokens=-1)
+                  **{key: -1})
