@@ -47,6 +47,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
                       long_prefill_token_threshold=a.long_prefill_token_threshold,
                       max_mixed_prefill_tokens=a.max_mixed_prefill_tokens)
     arrived, first, last, count, prev, gap = {}, {}, {}, {}, {}, {}
+    itl = []  # every gap between two of a request's tokens, s
     i = steps = mixed = 0
     long_steps = []  # tokens of each step longer than the ITL SLO
     while len(last) < num:
@@ -76,6 +77,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
             first.setdefault(rid, now)
             if toks and rid in prev:
                 gap[rid] = max(gap.get(rid, 0.0), now - prev[rid])
+                itl.append(now - prev[rid])
             if toks:
                 prev[rid] = now
             count[rid] = count.get(rid, 0) + len(toks)
@@ -84,6 +86,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
     ttft = sorted(first[r] - arrived[r] for r in first)
     tpot = sorted((last[r] - first[r]) / (count[r] - 1) for r in last if count[r] > 1)
     slow = sum(gap.get(r, 0.0) > a.itl_slo_ms / 1e3 for r in last)
+    itl.sort()
 
     def q(v, p):
         return v[min(len(v) - 1, int(p * len(v)))] * 1e3
@@ -92,6 +95,7 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
     return (f"rate {rate:g}: {steps} steps ({mixed} with a prefill), {out_tps:,.0f} out tok/s, "
             f"TTFT p50 / p99 {q(ttft, .5):.1f} / {q(ttft, .99):.1f} ms, "
             f"TPOT p50 / p99 {q(tpot, .5):.1f} / {q(tpot, .99):.1f} ms, "
+            f"ITL p50 / p99 {q(itl, .5):.1f} / {q(itl, .99):.1f} ms, "
             f"{slow} of {num} requests with a gap > {a.itl_slo_ms:g} ms"
             + (f" ({len(long_steps)} steps over it, {min(long_steps)}-{max(long_steps)} tokens)"
                if long_steps else ""))
