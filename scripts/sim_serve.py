@@ -1,5 +1,6 @@
 """The scheduler alone under a serve sweep's arrivals (no model, no GPU): where TTFT and TPOT
-would be if every step took what a step-time model says, to tell scheduling from runtime.
+(and ITL, over every gap between two of a request's tokens) would be if every step took what a
+step-time model says, to tell scheduling from runtime.
 
 Poisson arrivals at RATE req/s of NUM requests, input 512 and output 128 tokens +-50 % (uniform,
 seeded: the sweep of scripts/gpu_serve.sh), the real Scheduler (fcfs, block size 16, 256 seqs,
@@ -76,8 +77,8 @@ def simulate(rate: float, num: int, mnbt: int, a: argparse.Namespace) -> str:
             rid = req.request_id
             first.setdefault(rid, now)
             if toks and rid in prev:
-                gap[rid] = max(gap.get(rid, 0.0), now - prev[rid])
                 itl.append(now - prev[rid])
+                gap[rid] = max(gap.get(rid, 0.0), itl[-1])
             if toks:
                 prev[rid] = now
             count[rid] = count.get(rid, 0) + len(toks)

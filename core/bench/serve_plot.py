@@ -32,15 +32,18 @@ def plot_sweeps(sweeps: dict[str, list[dict[str, Any]]], path: str, title: str =
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, runs in sweeps.items():
+    # one colour per sweep; the line style tells median from the top percentile, the marker
+    # ITL from TPOT
+    for n, (label, runs) in enumerate(sweeps.items()):
         if not runs:
             continue
         top = [k for k in runs[0]["ttft"] if k.startswith("p")][-1:] or ["median_ms"]
         x = [r["request_throughput"] for r in runs]
         for ax, names in ((axes[0], ("ttft",)), (axes[1], ("itl", "tpot"))):
             for name in names:
-                for k, style in (("median_ms", "o-"), (top[0], "s--")):
-                    ax.plot(x, [r[name][k] for r in runs], style,
+                for k, line in (("median_ms", "-"), (top[0], "--")):
+                    ax.plot(x, [r[name][k] for r in runs], "^" if name == "tpot" else "o",
+                            linestyle=line, color=f"C{n % 10}",
                             label=f"{label} {name.upper()} {k[:-3]}".strip())
             for xi, r in zip(x, runs):
                 ax.annotate(f"{r['request_rate']}/s", (xi, r[names[0]][top[0]]),
