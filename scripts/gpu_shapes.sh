@@ -10,7 +10,8 @@
 #
 # The awq run of a shape fills the user cache that its gptq run then reads (the same canonical
 # W4A16 layout and table keys): gptq's autotune_s is a warm start's, awq's a cold one's. Needs
-# nothing from the network.
+# nothing from the network. QUANT_EXTRA: more flags for the awq / gptq runs only (e.g.
+# "--quantize-lm-head true"), with SUFFIX added to their file names (e.g. "-qhead").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-/tmp}/shapes
@@ -31,13 +32,16 @@ for shape in $SHAPES; do
             continue
         fi
         quant=()
-        [ "$method" != bf16 ] && quant=(--quantization "$method")
+        name=$shape-$method
+        if [ "$method" != bf16 ]; then
+            quant=(--quantization "$method" ${QUANT_EXTRA:-}); name=$name${SUFFIX:-}
+        fi
         echo "== $shape $method (t=$((SECONDS - start)) s)"
         timeout "$RUN_S" python3 -m pagebatch.cli bench latency "examples/configs/$shape" \
             --load-format dummy --max-model-len 4096 --max-num-seqs 16 --input-len 128 \
-            --output-len 256 --num-iters 2 "${quant[@]}" --output "$DEST/$shape-$method.json" \
-            > "$DEST/$shape-$method.log" 2>&1
-        echo "   rc=$? $(grep -E 'pagebatch' "$DEST/$shape-$method.log" | tail -1)"
+            --output-len 256 --num-iters 2 "${quant[@]}" --output "$DEST/$name.json" \
+            > "$DEST/$name.log" 2>&1
+        echo "   rc=$? $(grep -E 'pagebatch' "$DEST/$name.log" | tail -1)"
     done
 done
 ls "$DEST/cache/kernel_configs/v1" 2>/dev/null
