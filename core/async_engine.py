@@ -102,8 +102,9 @@ class AsyncEngine:
                           request_id: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Validate and queue one request; returns an async iterator of its `RequestOutput`s
-        (one per step with new tokens; the last has ``finished``, and on a core failure
-        ``error`` and finish reason ``error``).
+        (one per step with new tokens, or the newest of several when the caller fell behind;
+        the last has ``finished``, and on a core failure ``error`` and finish reason
+        ``error``).
 
         Raises InvalidRequestError subclasses before anything is queued, EngineDeadError when
         the core is gone. Leaving the iteration early (break, cancellation) aborts the request.
@@ -158,10 +159,23 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def _iterate(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; when the caller fell behind (several queued),
+        only the newest, which holds all the others do (outputs are cumulative: text, token
+        ids and log-probs of every sample so far), as vLLM's output collector merges them. So
+        a caller that cannot keep up with the steps (one busy event loop under many streams)
+        sends one event for two steps instead of two back to back, and catches up."""
         finished = False
+        error: BaseException | None = None
         try:
             while not finished:
-                item = await queue.get()
+                item = error if error is not None else await queue.get()
+                while not isinstance(item, BaseException) and not item.finished \
+                        and not queue.empty():
+                    newer = queue.get_nowait()
+                    if isinstance(newer, BaseException):
+                        error = newer  # raised after the output before it
+                        break
+                    item = newer
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -484,7 +484,9 @@ def test_api_key_401(base):
 def test_a_model_without_tokenizer_streams_a_chunk_per_step(tiny_model_dir, tmp_path):
     """Token-id prompts on a folder with no tokenizer (every text empty): a stream still gets a
     chunk for each step that generated tokens (vLLM's rule), so a client's TTFT is the first
-    token's, not the last's (`pagebatch bench serve` against dummy-weight model folders)."""
+    token's, not the last's (`pagebatch bench serve` against dummy-weight model folders). A
+    stream that falls behind the steps gets the newest of several outputs in one chunk
+    (AsyncEngine._iterate), so the count is at least 2 of 32 (withheld text would be 1)."""
     import shutil
 
     from http_helpers import tiny_server
@@ -498,11 +500,11 @@ def test_a_model_without_tokenizer_streams_a_chunk_per_step(tiny_model_dir, tmp_
     with tiny_server(bare, {**ENGINE_KEYS, "load_format": "dummy"}) as base:
         with httpx.Client(base_url=base, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as h:
-            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5,
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 32,
                     "temperature": 0, "ignore_eos": True, "stream": True}
             r = h.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             chunks = events(r.text)
     choice_chunks = [c for c in chunks if c.get("choices")]
-    assert len(choice_chunks) >= 5, chunks  # one per generated token (one token a step here)
+    assert len(choice_chunks) >= 2, chunks  # the first token's chunk comes before the end
     assert choice_chunks[-1]["choices"][0]["finish_reason"] == "length"

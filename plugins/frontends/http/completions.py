@@ -28,6 +28,7 @@ class _RequestProgress:
     """One engine request of an HTTP request, as its outputs arrive."""
 
     last_output: float | None = None  # time.monotonic() of its last output with tokens
+    tokens: int = 0  # token ids of its longest sample in its last output
     final: RequestOutput | None = None  # its finished output
     prompt_tokens: int = 0  # from its outputs (0 until the first)
 
@@ -55,12 +56,17 @@ class _Tracker:
         now = time.monotonic()
         req = self.requests[i]
         req.prompt_tokens = len(out.prompt_token_ids)
-        if any(c.token_ids for c in out.outputs):
+        tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if tokens > req.tokens:
             if req.last_output is None:
                 self.m.ttft.observe(now - self.t0)
             else:
                 self.m.itl.observe(now - req.last_output)
-            req.last_output = now
+            # one output per step, except where the stream fell behind and got the newest of
+            # several (AsyncEngine._iterate): those steps came back to back, gaps of 0
+            for _ in range(tokens - req.tokens - 1):
+                self.m.itl.observe(0.0)
+            req.last_output, req.tokens = now, tokens
         if out.finished:
             req.final = out
             reason = out.outputs[0].finish_reason or "abort"
