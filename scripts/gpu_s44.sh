@@ -24,11 +24,15 @@ vl() {
       env BENCH_S=${BENCH_S:-150} TAIL=8 bash scripts/gpu_serve.sh vllm "vllm-$run" --max-num-seqs 256 )
 }
 pb() { env BENCH_S=${BENCH_S:-150} TAIL=8 bash scripts/gpu_serve.sh pagebatch "$1-$run" --max-num-seqs 256 $2; }
-# the client's own error first: a server whose ITL is exactly 30 ms at 256 streams
+# the client's own error first: a server whose ITL is exactly 30 ms at 256 streams, read
+# from one client process and from four
 ( TICK=0.03 python3 -m uvicorn --app-dir scripts fake_sse_server:app --port 8799 \
       --log-level warning > "$OUT/fake-$run.log" 2>&1 & echo $! > /tmp/fake.pid; sleep 4
-  timeout 60 python3 -m pagebatch.cli bench serve --base-url http://127.0.0.1:8799 --model m \
-      --num-prompts 256 --input-len 16 --output-len 128 --range-ratio 0 --vocab-size 1000 \
-      --rates inf --output "$OUT/fake-$run.json" 2>&1 | grep -E "ITL|TTFT" | sed "s/^/fake: /"
+  for c in 1 4; do
+    timeout 60 python3 -m pagebatch.cli bench serve --base-url http://127.0.0.1:8799 \
+        --model m --num-prompts 256 --input-len 16 --output-len 128 --range-ratio 0 \
+        --vocab-size 1000 --rates inf --client-processes $c --output "$OUT/fake$c-$run.json" \
+        2>&1 | grep -E "ITL|TTFT" | sed "s/^/fake, $c client processes: /"
+  done
   kill "$(cat /tmp/fake.pid)" )
 if [ "$run" = fwd ]; then vl; pb A "$A"; pb B "$B"; else pb B "$B"; pb A "$A"; vl; fi

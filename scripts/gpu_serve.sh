@@ -6,7 +6,9 @@
 #   bash scripts/gpu_serve.sh pagebatch TAG [engine flags...]
 #   bash scripts/gpu_serve.sh vllm TAG [engine flags...]       (vLLM from .vl/vllm-gpu install)
 # Env: RATES (default 8,16,32,64,inf), NUM (prompts per rate, 200), IN / OUT_LEN / RANGE (512 /
-# 128 / 0.5: mixed lengths), PREFIX (shared prefix tokens, 0), MAXLEN (4096). Files in $OUT.
+# 128 / 0.5: mixed lengths), PREFIX (shared prefix tokens, 0), MAXLEN (4096), CLIENTS (client
+# processes of bench serve, 4 since session 44: one asyncio process reading 256 streams falls
+# behind them; core/bench/serve_workers.py). Files in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,7 +38,7 @@ echo "$tag: ready after $(( $(date +%s) - t0 )) s"
 timeout ${BENCH_S:-300} python3 -m pagebatch.cli bench serve --base-url "http://127.0.0.1:$port" \
     --model m --num-prompts "${NUM:-200}" --input-len "${IN:-512}" --output-len "${OUT_LEN:-128}" \
     --range-ratio "${RANGE:-0.5}" --shared-prefix-len "${PREFIX:-0}" --vocab-size 49152 \
-    --rates "${RATES:-8,16,32,64,inf}" --goodput ttft:500 itl:50 --output "$OUT/serve-$tag.json" \
+    --rates "${RATES:-8,16,32,64,inf}" --client-processes "${CLIENTS:-4}" --goodput ttft:500 itl:50 --output "$OUT/serve-$tag.json" \
     > "$OUT/serve-$tag.log" 2>&1; echo "$tag: bench rc=$?"
 # the server's own histograms (its ITL as it emits, against the client's as it receives)
 python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics', timeout=5).read().decode())" \

@@ -23,6 +23,7 @@ RUN_SCHEMA = {
     "input_len": int, "output_len": int, "range_ratio": float, "shared_prefix_len": int,
     "prompt_kind": str, "request_rate": (float, str), "arrival": str, "burstiness": float,
     "max_concurrency": (int, type(None)), "ignore_eos": bool, "seed": int,
+    "client_processes": int,
 }
 STAT_KEYS = {"mean_ms", "median_ms", "std_ms", "p50_ms", "p90_ms", "p99_ms"}
 SPEC = DatasetSpec(num_prompts=4, input_len=8, output_len=5, range_ratio=0.5,
@@ -119,9 +120,37 @@ def test_chat_at_a_constant_rate(base, http, tmp_path):
     (["--goodput", "ttfb:5"], "goodput metric must be one of ttft, tpot, itl, e2el, got 'ttfb'"),
     (["--arrival", "constant", "--burstiness", "2"], "--arrival constant takes none"),
     (["--endpoint", "/v1/chat/completions", "--prompt-kind", "token-ids"], "text prompts"),
+    (["--client-processes", "0"], "--client-processes must be >= 1, got 0"),
+    (["--client-processes", "2", "--max-concurrency", "4"],
+     "--max-concurrency 4 is one limit over all requests; it takes --client-processes 1"),
 ])
 def test_bad_flags(flags, msg, capsys):
     from pagebatch.cli import main
 
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_client_processes(base, tmp_path):
+    """``--client-processes 2``: the same requests and token counts as from one process, each
+    sent on the run's one schedule (constant 40 req/s: the last of 6 leaves 125 ms after the
+    first, so the run lasts at least that), the results merged from both processes."""
+    from pagebatch.cli import main
+
+    out = tmp_path / "procs.json"
+    rc = main(["bench", "serve", "--base-url", base, "--api-key", KEY, "--num-prompts", "6",
+               "--input-len", "8", "--output-len", "5", "--range-ratio", "0.5",
+               "--vocab-size", "256", "--rates", "40,inf", "--arrival", "constant",
+               "--client-processes", "2", "--output", str(out)])
+    assert rc == 0
+    spec = DatasetSpec(num_prompts=6, input_len=8, output_len=5, range_ratio=0.5,
+                       vocab_size=256, seed=0)
+    sweep = json.loads(out.read_text())
+    for i, run in enumerate(sweep["runs"]):
+        check_run_schema(run)
+        reqs = make_dataset(spec, variant=i)
+        assert (run["completed"], run["failed"], run["client_processes"]) == (6, 0, 2)
+        assert run["total_input_tokens"] == sum(r.prompt_len for r in reqs)
+        assert run["total_output_tokens"] == sum(r.output_len for r in reqs)
+        assert 0 < run["ttft"]["p50_ms"] <= run["e2el"]["p99_ms"] <= run["duration_s"] * 1e3
+    assert sweep["runs"][0]["duration_s"] >= 5 / 40

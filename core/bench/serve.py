@@ -4,7 +4,8 @@
 A seeded dataset (serve_dataset.py: mixed lengths with ``--range-ratio``, a common
 ``--shared-prefix-len`` prefix, token-id or text prompts), sent streamed to ``--endpoint`` at
 ``--request-rate`` (Poisson, gamma with ``--burstiness``, or ``--arrival constant``;
-arrivals.py), at most ``--max-concurrency`` in flight (serve_client.py). Reports throughputs,
+arrivals.py), at most ``--max-concurrency`` in flight (serve_client.py), from this process or
+from ``--client-processes`` N (serve_workers.py). Reports throughputs,
 goodput under ``--goodput`` SLOs and TTFT / TPOT / ITL / E2EL stats (serve_metrics.py), a table
 (serve_report.py), JSON (``--output``), the cost per 1M output tokens (``--gpu-cost-per-hour``,
 cost.py); ``--rates 1,2,4,inf`` runs one after another and ``--plot FILE.png`` draws latency
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -87,6 +89,10 @@ def add_serve_bench_parser(bsub) -> None:
                    help="gamma shape of the gaps (vLLM's flag): <1 burstier, >1 steadier")
     a.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once")
+    a.add_argument("--client-processes", type=int, default=1,
+                   help="send from this many client processes (request i from process i mod "
+                   "N; serve_workers.py), so that reading many streams in one event loop "
+                   "does not add to the latencies measured")
     a.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -137,6 +143,18 @@ async def _send_all(client: Any, args: argparse.Namespace, model: str,
     return list(results), time.perf_counter() - start
 
 
+def _client_processes(args: argparse.Namespace, headers: dict[str, str]) -> Any:
+    """`ClientProcesses` for ``--client-processes`` > 1 (a context manager), else a null
+    context (None: this process sends)."""
+    if args.client_processes == 1:
+        return contextlib.nullcontext()
+    from .serve_workers import ClientProcesses
+
+    return ClientProcesses(args.client_processes, {
+        "base_url": args.base_url.rstrip("/"), "headers": headers, "timeout": args.timeout,
+        "connections": -(-args.num_prompts // args.client_processes)})
+
+
 async def run_load(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One result per rate (``--rates``, else ``--request-rate``)."""
     import logging
@@ -153,28 +171,39 @@ async def run_load(args: argparse.Namespace) -> list[dict[str, Any]]:
     slos = parse_goodput(args.goodput) if args.goodput else None
     rates = args.rates or [args.request_rate]
     runs = []
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                 timeout=args.timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        for i, rate in enumerate(rates):
-            requests = make_dataset(spec, variant=i if len(rates) > 1 else 0)
-            results, duration = await _send_all(client, args, model, requests, rate)
-            out = summarize(results, duration, args.percentiles, slos)
-            out.update(model=model, base_url=args.base_url, endpoint=args.endpoint,
-                       num_prompts=spec.num_prompts, input_len=spec.input_len,
-                       output_len=spec.output_len, range_ratio=spec.range_ratio,
-                       shared_prefix_len=spec.shared_prefix_len,
-                       prompt_kind="token-ids" if spec.token_ids else "text",
-                       request_rate=rate if math.isfinite(rate) else "inf",
-                       arrival=args.arrival, burstiness=args.burstiness,
-                       max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-                       seed=args.seed,
-                       **cost_fields(args.gpu_cost_per_hour, out["output_token_throughput"]))
-            runs.append(out)
+    with _client_processes(args, headers) as procs:
+        async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                                     timeout=args.timeout, limits=limits) as client:
+            model = args.model
+            if model is None:
+                r = await client.get("/v1/models")
+                r.raise_for_status()
+                model = r.json()["data"][0]["id"]
+            for i, rate in enumerate(rates):
+                requests = make_dataset(spec, variant=i if len(rates) > 1 else 0)
+                if procs is None:
+                    results, duration = await _send_all(client, args, model, requests, rate)
+                else:  # blocks this loop, which has nothing else to do meanwhile
+                    results, duration = procs.run(
+                        args.endpoint, [request_body(args.endpoint, model, req,
+                                                     args.temperature, args.ignore_eos)
+                                        for req in requests],
+                        [req.prompt_len for req in requests],
+                        arrival_times(len(requests), rate, args.arrival, args.burstiness,
+                                      args.seed))
+                out = summarize(results, duration, args.percentiles, slos)
+                out.update(model=model, base_url=args.base_url, endpoint=args.endpoint,
+                           num_prompts=spec.num_prompts, input_len=spec.input_len,
+                           output_len=spec.output_len, range_ratio=spec.range_ratio,
+                           shared_prefix_len=spec.shared_prefix_len,
+                           prompt_kind="token-ids" if spec.token_ids else "text",
+                           request_rate=rate if math.isfinite(rate) else "inf",
+                           arrival=args.arrival, burstiness=args.burstiness,
+                           max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+                           seed=args.seed, client_processes=args.client_processes,
+                           **cost_fields(args.gpu_cost_per_hour,
+                                         out["output_token_throughput"]))
+                runs.append(out)
     return runs
 
 
@@ -188,6 +217,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return str(e)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         return f"--max-concurrency must be >= 1, got {args.max_concurrency}"
+    if args.client_processes < 1:
+        return f"--client-processes must be >= 1, got {args.client_processes}"
+    if args.client_processes > 1 and args.max_concurrency is not None:
+        return (f"--max-concurrency {args.max_concurrency} is one limit over all requests; "
+                f"it takes --client-processes 1, got {args.client_processes}")
     if not args.burstiness > 0 or math.isinf(args.burstiness):
         return f"--burstiness must be a finite number > 0, got {args.burstiness}"
     if args.arrival == "constant" and args.burstiness != 1.0:
