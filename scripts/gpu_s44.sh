@@ -35,4 +35,6 @@ pb() { env BENCH_S=${BENCH_S:-150} TAIL=8 bash scripts/gpu_serve.sh pagebatch "$
         2>&1 | grep -E "ITL|TTFT" | sed "s/^/fake, $c client processes: /"
   done
   kill "$(cat /tmp/fake.pid)" )
-if [ "$run" = fwd ]; then vl; pb A "$A"; pb B "$B"; else pb B "$B"; pb A "$A"; vl; fi
+# ONLY=A: configuration A alone beside vLLM (when the device time left is short)
+if [ "${ONLY:-}" = A ]; then vl; pb A "$A"
+elif [ "$run" = fwd ]; then vl; pb A "$A"; pb B "$B"; else pb B "$B"; pb A "$A"; vl; fi
