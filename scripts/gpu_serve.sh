@@ -38,7 +38,8 @@ echo "$tag: ready after $(( $(date +%s) - t0 )) s"
 timeout ${BENCH_S:-300} python3 -m pagebatch.cli bench serve --base-url "http://127.0.0.1:$port" \
     --model m --num-prompts "${NUM:-200}" --input-len "${IN:-512}" --output-len "${OUT_LEN:-128}" \
     --range-ratio "${RANGE:-0.5}" --shared-prefix-len "${PREFIX:-0}" --vocab-size 49152 \
-    --rates "${RATES:-8,16,32,64,inf}" --client-processes "${CLIENTS:-4}" --goodput ttft:500 itl:50 --output "$OUT/serve-$tag.json" \
+    --rates "${RATES:-8,16,32,64,inf}" --client-processes "${CLIENTS:-4}" \
+    --goodput ttft:500 itl:50 --output "$OUT/serve-$tag.json" \
     > "$OUT/serve-$tag.log" 2>&1; echo "$tag: bench rc=$?"
 # the server's own histograms (its ITL as it emits, against the client's as it receives)
 python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics', timeout=5).read().decode())" \

@@ -27,7 +27,7 @@ from typing import Any
 
 from .arrivals import ARRIVALS, arrival_times, check_rate
 from .cost import add_cost_argument, cost_fields
-from .serve_client import ENDPOINTS, one_request, request_body
+from .serve_client import ENDPOINTS, one_request, request_body, send_on_schedule
 from .serve_dataset import DatasetSpec, ServeRequest, make_dataset
 from .serve_metrics import Result, parse_goodput, parse_percentiles, summarize
 from .serve_report import print_sweep, print_table
@@ -132,15 +132,9 @@ async def _send_all(client: Any, args: argparse.Namespace, model: str,
         async with sem:
             return await one_request(client, args.endpoint, body, req.prompt_len)
 
-    start = time.perf_counter()
-    tasks = []
-    for t, req in zip(times, requests):
-        delay = start + t - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(send(req)))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    start = time.monotonic()
+    results = await send_on_schedule(times, start, lambda i: send(requests[i]))
+    return results, time.monotonic() - start
 
 
 def _client_processes(args: argparse.Namespace, headers: dict[str, str]) -> Any:

@@ -10,9 +10,10 @@ for with ``stream_options.include_usage``), else one per chunk.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from .serve_dataset import ServeRequest
 from .serve_metrics import Result
@@ -76,3 +77,17 @@ async def one_request(client: Any, endpoint: str, body: dict[str, Any],
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return Result(error=f"{type(e).__name__}: {e}")
     return Result.from_chunks(start, stamps, prompt_tokens, output_tokens)
+
+
+async def send_on_schedule(offsets: list[float], start: float,
+                           send: Callable[[int], Awaitable[Result]]) -> list[Result]:
+    """Start ``send(i)`` at ``start + offsets[i]`` (seconds on ``time.monotonic``, one clock for
+    every process of a host; offsets non-decreasing), all concurrently; their results in
+    order of i."""
+    tasks = []
+    for i, offset in enumerate(offsets):
+        delay = start + offset - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(send(i)))
+    return list(await asyncio.gather(*tasks))

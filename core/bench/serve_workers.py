@@ -37,7 +37,7 @@ async def _worker_loop(conn: dict[str, Any], jobs: Any, results: Any, barrier: A
 
     import httpx
 
-    from .serve_client import one_request
+    from .serve_client import one_request, send_on_schedule
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     async with httpx.AsyncClient(base_url=conn["base_url"], headers=conn["headers"],
@@ -51,16 +51,10 @@ async def _worker_loop(conn: dict[str, Any], jobs: Any, results: Any, barrier: A
             endpoint, items = job  # [(index, send offset s, body, prompt length)]
             barrier.wait()  # every process has its job and its client
             barrier.wait()  # the parent has set t0
-            start = t0.value
-            tasks = []
-            for _, offset, body, prompt_len in items:
-                delay = start + offset - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(one_request(client, endpoint, body,
-                                                               prompt_len)))
-            done = await asyncio.gather(*tasks)
-            results.put(([idx for idx, *_ in items], list(done), time.monotonic()))
+            done = await send_on_schedule(
+                [offset for _, offset, _, _ in items], t0.value,
+                lambda k: one_request(client, endpoint, items[k][2], items[k][3]))
+            results.put(([idx for idx, *_ in items], done, time.monotonic()))
 
 
 class ClientProcesses:
