@@ -13,7 +13,7 @@ import argparse
 import difflib
 import logging
 import sys
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .bench.command import add_bench_parser, run_bench
 from .config import ConfigOption, EngineConfig, add_cli_options, cli_values
@@ -25,19 +25,23 @@ def _engine_options() -> list[ConfigOption]:
     return EngineConfig.core_options() + list(registry().config_options().values())
 
 
-def _config_from_args(args: argparse.Namespace) -> EngineConfig:
+def _config_from_args(args: argparse.Namespace,
+                      defaults: Mapping[str, Any] | None = None) -> EngineConfig:
+    """``defaults``: a frontend's own defaults of engine keys (`Frontend.engine_defaults`),
+    below the file and the command line."""
     options = _engine_options()
     cli = cli_values(args, options)
     if getattr(args, "model_pos", None):
         cli.setdefault("model", args.model_pos)
-    return EngineConfig.from_sources(cli=cli, file=args.config)
+    return EngineConfig.from_sources(cli=cli, file=args.config, defaults=defaults)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser,
+                     defaults: Mapping[str, Any] | None = None) -> None:
     p.add_argument("model_pos", nargs="?", metavar="MODEL",
                    help="model name or path (same as --model)")
     p.add_argument("--config", metavar="FILE", help="YAML file of engine keys")
-    add_cli_options(p, _engine_options())
+    add_cli_options(p, _engine_options(), defaults)
 
 
 _MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -172,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in reg.names("frontend"):
         fe = reg.frontend(name)
         fp = sub.add_parser(name, help=getattr(fe, "help", f"run the {name} frontend"))
-        _add_engine_args(fp)
+        defaults = getattr(fe, "engine_defaults", None) or {}
+        _add_engine_args(fp, defaults)
         fe.add_cli_arguments(fp)
-        fp.set_defaults(func=lambda a, fe=fe: fe.run(_config_from_args(a), a))
+        fp.set_defaults(func=lambda a, fe=fe, d=defaults: fe.run(_config_from_args(a, d), a))
     if "serve" not in reg.names("frontend"):
         s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (frontend plugin)")
         s.set_defaults(func=lambda a: _missing_frontend("serve"))

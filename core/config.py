@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
 from .errors import ConfigError
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -299,8 +302,12 @@ class EngineConfig:
         cli: dict[str, Any] | None = None,
         file: str | Path | None = None,
         plugin_options: dict[str, ConfigOption] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> "EngineConfig":
-        """Merge defaults < YAML file < CLI values; parse and validate every value.
+        """Merge defaults < ``defaults`` (a frontend's own, e.g. ``pagebatch serve``'s; see
+        `Frontend.engine_defaults`) < YAML file < CLI values; parse and validate every value.
+        A key of ``defaults`` that the given keys rule out (``max_mixed_prefill_tokens`` with
+        ``enable_chunked_prefill: false``) is left at the engine's default, with a log line.
 
         Raises ConfigError naming the key, the value and what is allowed; an unknown key gets a
         did-you-mean over the core keys and the keys plugins declared.
@@ -309,12 +316,20 @@ class EngineConfig:
             from .registry import registry
 
             plugin_options = registry().config_options()
-        values: dict[str, Any] = {}
-        if file is not None:
-            values.update(load_yaml(file))
+        given: dict[str, Any] = dict(load_yaml(file)) if file is not None else {}
         for k, v in (cli or {}).items():
-            values[normalize_key(k)] = v
-        return cls.from_dict(values, plugin_options)
+            given[normalize_key(k)] = v
+        names = {normalize_key(k) for k in given}
+        soft = {normalize_key(k): v for k, v in (defaults or {}).items()
+                if normalize_key(k) not in names}
+        while True:
+            try:
+                return cls.from_dict({**soft, **given}, plugin_options)
+            except ConfigError as e:
+                culprit = next((k for k in soft if k in str(e)), None)
+                if culprit is None:
+                    raise
+                _log.info("default %s=%r left out: %s", culprit, soft.pop(culprit), e)
 
     @classmethod
     def from_dict(
@@ -425,8 +440,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def add_cli_options(parser: argparse.ArgumentParser, options: Sequence[ConfigOption]) -> None:
-    """Add ``--kebab-name`` for each option; unset ones stay absent (so the file can set them)."""
+def add_cli_options(parser: argparse.ArgumentParser, options: Sequence[ConfigOption],
+                    defaults: Mapping[str, Any] | None = None) -> None:
+    """Add ``--kebab-name`` for each option; unset ones stay absent (so the file can set them).
+    ``defaults``: the subcommand's own defaults of some keys, shown in their help instead."""
+    defaults = defaults or {}
     group = parser.add_argument_group("engine options (also settable in --config FILE)")
     for opt in options:
         flag = "--" + opt.name.replace("_", "-")
@@ -436,7 +454,7 @@ def add_cli_options(parser: argparse.ArgumentParser, options: Sequence[ConfigOpt
         else:
             group.add_argument(flag, dest=opt.name, default=argparse.SUPPRESS,
                                metavar=opt.name.upper(),
-                               help=f"{opt.help} (default: {opt.default})")
+                               help=f"{opt.help} (default: {defaults.get(opt.name, opt.default)})")
 
 
 def cli_values(args: argparse.Namespace, options: Sequence[ConfigOption]) -> dict[str, Any]:

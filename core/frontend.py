@@ -23,6 +23,12 @@ class Frontend(Protocol):
     Optional attribute ``help: str``: the subcommand's one-line help (default
     ``"run the NAME frontend"``). A frontend named ``serve`` replaces the placeholder
     ``pagebatch serve``; ``generate``, ``plugins``, ``bench`` and ``quantize`` are taken.
+
+    Optional attribute ``engine_defaults: Mapping[str, Any]``: engine keys whose default
+    differs under this frontend (as vLLM picks some defaults by usage context, offline `LLM`
+    or ``vllm serve``); they rank below ``--config FILE`` and the command line, and the
+    subcommand's ``--help`` shows them. The HTTP server uses it for latency-leaning step
+    shapes (plugins/frontends/http/__init__.py).
     """
 
     def add_cli_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ vl() {
 }
 pb() { env BENCH_S=${BENCH_S:-150} TAIL=8 bash scripts/gpu_serve.sh pagebatch "$1-$run" --max-num-seqs 256 $2; }
 # the client's own error first: a server whose ITL is exactly 30 ms at 256 streams, read
-# from one client process and from four
-( TICK=0.03 python3 -m uvicorn --app-dir scripts fake_sse_server:app --port 8799 \
+# from one client process and from four (SKIP_FAKE=1 leaves it out)
+[ -n "${SKIP_FAKE:-}" ] || ( TICK=0.03 python3 -m uvicorn --app-dir scripts fake_sse_server:app --port 8799 \
       --log-level warning > "$OUT/fake-$run.log" 2>&1 & echo $! > /tmp/fake.pid; sleep 4
   for c in 1 4; do
     timeout 60 python3 -m pagebatch.cli bench serve --base-url http://127.0.0.1:8799 \

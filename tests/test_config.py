@@ -340,3 +340,38 @@ def test_prefill_caps_need_chunked_prefill(key):
         from_dict({key: 512, "enable_chunked_prefill": False})
     with pytest.raises(ConfigError, match=key):
         from_dict({key: -1})
+
+
+def test_serve_has_its_own_step_defaults_below_file_and_command_line(tmp_path, monkeypatch,
+                                                                     capsys):
+    """`pagebatch serve` defaults two engine keys its own way (the http frontend's
+    engine_defaults); the file and the command line still win, `generate` keeps the engine's,
+    `--help` shows serve's, and a default the given keys rule out is left out, not an error."""
+    import pagebatch.cli as cli
+    from pagebatch.registry import registry
+
+    fe = registry().frontend("serve")
+    seen = []
+    monkeypatch.setattr(type(fe), "run", lambda self, config, args: seen.append(config) or 0)
+    parser = cli.build_parser()
+
+    def serve(*argv):
+        args = parser.parse_args(["serve", "m", *argv])
+        assert args.func(args) == 0
+        c = seen[-1]
+        return c.max_mixed_prefill_tokens, c.piecewise_cuda_graph_max_tokens
+
+    assert serve() == (4096, 2048)
+    assert serve("--config", str(write(tmp_path, "max_mixed_prefill_tokens: 0\n"))) == (0, 2048)
+    assert serve("--piecewise-cuda-graph-max-tokens", "512") == (4096, 512)
+    assert serve("--no-enable-chunked-prefill") == (0, 2048)
+    assert seen[-1].enable_chunked_prefill is False
+    with pytest.raises(ConfigError, match="max_mixed_prefill_tokens=64 cuts prompts"):
+        serve("--no-enable-chunked-prefill", "--max-mixed-prefill-tokens", "64")
+    gen = cli._config_from_args(parser.parse_args(["generate", "m", "--prompt", "x"]))
+    assert (gen.max_mixed_prefill_tokens, gen.piecewise_cuda_graph_max_tokens) == (0, 512)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "no cap but the step's token budget. Needs enable_chunked_prefill. (default: 4096)" \
+        in help_text

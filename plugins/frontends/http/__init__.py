@@ -72,8 +72,21 @@ OPTIONS = [
 ]
 
 
+# `pagebatch serve`'s own defaults of engine keys (`Frontend.engine_defaults`; the file and the
+# command line override them). Streams wait on every step, so a step that carries decodes
+# computes at most 4096 prompt tokens, and steps of up to 2048 tokens replay piecewise CUDA
+# graphs. Against the offline defaults (0 = no cap, 512), Llama-3.1-8B shape, one H100, 200
+# mixed-length requests a rate (docs/benchmarks.md "Session 45, H100"): at 8-32 req/s TTFT p99
+# 56-95 vs 86-124 ms and ITL p99 19-32 vs 27-46 ms; at saturation ITL p99 112-137 vs 372 ms,
+# for 3 % of output throughput and TTFT p99 2.50 vs 2.31 s; at 64 req/s all three a little
+# worse (TTFT p99 227 vs 204 ms, ITL p99 112 vs 87 ms, 0.8 % of throughput).
+SERVE_ENGINE_DEFAULTS = {"max_mixed_prefill_tokens": 4096,
+                         "piecewise_cuda_graph_max_tokens": 2048}
+
+
 class HttpFrontend:
     help = "OpenAI-compatible HTTP server (starlette + uvicorn)"
+    engine_defaults = SERVE_ENGINE_DEFAULTS
 
     def add_cli_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Nothing beyond the config keys in OPTIONS (added with the engine keys)."""
