@@ -408,8 +408,10 @@ def serve(config: EngineConfig) -> int:
         server = draining_server(app.state.server, uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level=level,  # --log-level
             timeout_graceful_shutdown=settings.shutdown_timeout + ABORT_GRACE_S))
-        logger.info("serving %s on http://%s:%d", app.state.server.model_name, settings.host,
-                    settings.port)
+        logger.info("serving %s on http://%s:%d (max_num_seqs=%d, max_mixed_prefill_tokens=%d, "
+                    "piecewise_cuda_graph_max_tokens=%d)", app.state.server.model_name,
+                    settings.host, settings.port, config.max_num_seqs,
+                    config.max_mixed_prefill_tokens, config.piecewise_cuda_graph_max_tokens)
         # start-up's objects (torch, transformers, the tokenizer, the app: ~310k) never scanned
         # again: a full collection of them takes 140-180 ms on the CPU machine
         # (scripts/frontend_gc_cost.py), a stall of every stream at once; the engine core
