@@ -319,14 +319,13 @@ class EngineConfig:
         given: dict[str, Any] = dict(load_yaml(file)) if file is not None else {}
         for k, v in (cli or {}).items():
             given[normalize_key(k)] = v
-        names = {normalize_key(k) for k in given}
-        soft = {normalize_key(k): v for k, v in (defaults or {}).items()
-                if normalize_key(k) not in names}
+        soft = {k: v for k, v in ((normalize_key(k), v) for k, v in (defaults or {}).items())
+                if k not in given}
         while True:
             try:
                 return cls.from_dict({**soft, **given}, plugin_options)
-            except ConfigError as e:
-                culprit = next((k for k in soft if k in str(e)), None)
+            except ConfigError as e:  # validate() names a key it rules out as ``key=value``
+                culprit = next((k for k in soft if f"{k}=" in str(e)), None)
                 if culprit is None:
                     raise
                 _log.info("default %s=%r left out: %s", culprit, soft.pop(culprit), e)

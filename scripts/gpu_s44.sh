@@ -5,7 +5,8 @@
 #   bash scripts/gpu_s44.sh fwd     vLLM, then A, then B
 #   bash scripts/gpu_s44.sh rev     B, then A, then vLLM (the second run, order reversed so that
 #                                   drift over the call does not favour one engine)
-# A: --long-prefill-token-threshold 256 --max-mixed-prefill-tokens 8192 (session 42's L = 256,
+# A: --long-prefill-token-threshold 256 --max-mixed-prefill-tokens 8192, piecewise graphs to 512
+#    as measured (serve's default is 2048 since session 45) (session 42's L = 256,
 #    which led vLLM at every rate but TTFT at 8 req/s and ITL p99 at inf, plus a cap that the
 #    step model says takes ITL p99 at saturation from 337 to 246 ms for 0.3 % of throughput)
 # B: --max-mixed-prefill-tokens 4096 --piecewise-cuda-graph-max-tokens 2048 (session 43's best
@@ -16,7 +17,7 @@ export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash scripts/gpu-run true || exit 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
-A="--long-prefill-token-threshold 256 --max-mixed-prefill-tokens 8192"
+A="--long-prefill-token-threshold 256 --max-mixed-prefill-tokens 8192 --piecewise-cuda-graph-max-tokens 512"
 B="--max-mixed-prefill-tokens 4096 --piecewise-cuda-graph-max-tokens 2048"
 run=${1:?fwd|rev}
 vl() {

@@ -9,6 +9,10 @@
 # 128 / 0.5: mixed lengths), PREFIX (shared prefix tokens, 0), MAXLEN (4096), CLIENTS (client
 # processes of bench serve, 4 since session 44: one asyncio process reading 256 streams falls
 # behind them; core/bench/serve_workers.py). Files in $OUT.
+# Since session 45 `pagebatch serve` defaults to max_mixed_prefill_tokens 4096 and
+# piecewise_cuda_graph_max_tokens 2048 (plugins/frontends/http/__init__.py); the pagebatch
+# figures of sessions 38-44, and session 45's D, ran under 0 and 512: add
+# `--max-mixed-prefill-tokens 0 --piecewise-cuda-graph-max-tokens 512` to reproduce them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
