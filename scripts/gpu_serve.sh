@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23 on the H200: start one OpenAI-compatible server on the Llama-3.1-8B shape (dummy
 # weights; the folder .gpu/llama8b-tok holds the 8B config.json with SmolLM2's 49,152-token
-# vocabulary and its tokenizer, so both servers detokenize and stream text), wait until it
+# vocabulary and its tokenizer, so both servers detokenize and stream text; built here by
+# `.venv/bin/python scripts/make_llama8b_tok.py`), wait until it
 # answers, run `pagebatch bench serve` over a rate sweep, stop it. The same flags for both:
 #   bash scripts/gpu_serve.sh pagebatch TAG [engine flags...]
 #   bash scripts/gpu_serve.sh vllm TAG [engine flags...]       (vLLM from .vl/vllm-gpu install)
