@@ -324,3 +324,22 @@ def test_engine_core_killed_mid_stream(tiny_model_dir, tmp_path):
     text = log.read_text()
     assert "the engine core died" in text and "killed by SIGKILL" in text, text[-3000:]
     assert "pagebatch serve exits with status 1" in text, text[-3000:]
+
+
+def test_serve_runs_uvicorn_on_uvloop_and_httptools_where_installed(monkeypatch):
+    """`serve` names uvicorn's loop and parser itself (they go into its start-up log line):
+    uvloop and httptools when importable (the package depends on both), asyncio and h11
+    when one is missing."""
+    import importlib.util
+
+    from pagebatch.plugins.frontends.http.server import uvicorn_implementations
+
+    real = importlib.util.find_spec
+    assert uvicorn_implementations() == (
+        "uvloop" if real("uvloop") else "asyncio", "httptools" if real("httptools") else "h11")
+    for missing, want in (("uvloop", ("asyncio", "httptools")),
+                          ("httptools", ("uvloop", "h11"))):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, m=missing: None if name == m else object())
+        assert uvicorn_implementations() == want
+    monkeypatch.setattr(importlib.util, "find_spec", real)

@@ -405,13 +405,16 @@ def serve(config: EngineConfig) -> int:
     try:
         app = build_app(engine, config, settings)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        loop, http = uvicorn_implementations()
         server = draining_server(app.state.server, uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level=level,  # --log-level
+            loop=loop, http=http,
             timeout_graceful_shutdown=settings.shutdown_timeout + ABORT_GRACE_S))
         logger.info("serving %s on http://%s:%d (max_num_seqs=%d, max_mixed_prefill_tokens=%d, "
-                    "piecewise_cuda_graph_max_tokens=%d)", app.state.server.model_name,
-                    settings.host, settings.port, config.max_num_seqs,
-                    config.max_mixed_prefill_tokens, config.piecewise_cuda_graph_max_tokens)
+                    "piecewise_cuda_graph_max_tokens=%d; uvicorn on %s, %s)",
+                    app.state.server.model_name, settings.host, settings.port,
+                    config.max_num_seqs, config.max_mixed_prefill_tokens,
+                    config.piecewise_cuda_graph_max_tokens, loop, http)
         # start-up's objects (torch, transformers, the tokenizer, the app: ~310k) never scanned
         # again: a full collection of them takes 140-180 ms on the CPU machine
         # (scripts/frontend_gc_cost.py), a stall of every stream at once; the engine core
@@ -426,6 +429,19 @@ def serve(config: EngineConfig) -> int:
         logger.error("pagebatch serve exits with status 1: the engine core died (%s)", failure)
         return 1
     return 0
+
+
+def uvicorn_implementations() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP/1.1 implementation for `serve`: ``uvloop`` and
+    ``httptools`` where installed (the package depends on both; they are what
+    ``uvicorn[standard]`` adds and what vLLM's server runs), else ``asyncio`` and ``h11``. With
+    both, the front half spends ~8 % less CPU per streamed token (scripts/frontend_cost.sh:
+    58.6-58.9 against 63.5-63.8 us on the CPU machine; docs/benchmarks.md, "Session 46")."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return loop, http
 
 
 def engine_failure(engine: AsyncEngine) -> EngineDeadError | None:
