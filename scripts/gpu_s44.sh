@@ -11,6 +11,8 @@
 #    step model says takes ITL p99 at saturation from 337 to 246 ms for 0.3 % of throughput)
 # B: --max-mixed-prefill-tokens 4096 --piecewise-cuda-graph-max-tokens 2048 (session 43's best
 #    light-load TTFT)
+# ONLY=S (session 46): vLLM and `pagebatch serve` with no step flags (serve's own defaults,
+#    B's pair since session 45), one pair per call: fwd vLLM then S, rev S then vLLM
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,4 +40,5 @@ pb() { env BENCH_S=${BENCH_S:-150} TAIL=8 bash scripts/gpu_serve.sh pagebatch "$
   kill "$(cat /tmp/fake.pid)" )
 # ONLY=A: configuration A alone beside vLLM (when the device time left is short)
 if [ "${ONLY:-}" = A ]; then vl; pb A "$A"
+elif [ "${ONLY:-}" = S ]; then if [ "$run" = fwd ]; then vl; pb S ""; else pb S ""; vl; fi
 elif [ "$run" = fwd ]; then vl; pb A "$A"; pb B "$B"; else pb B "$B"; pb A "$A"; vl; fi

@@ -342,4 +342,3 @@ def test_serve_runs_uvicorn_on_uvloop_and_httptools_where_installed(monkeypatch)
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, m=missing: None if name == m else object())
         assert uvicorn_implementations() == want
-    monkeypatch.setattr(importlib.util, "find_spec", real)
